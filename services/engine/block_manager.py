@@ -1,0 +1,196 @@
+"""Paged KV block accounting with local prefix caching. Torch-free.
+
+Every block is in exactly one of three states::
+
+    in use     ref_count > 0             owned by running sequences (shared when a prefix hits)
+    cached     ref_count == 0, hashed    in the free queue, still findable by hash until reused
+    empty      ref_count == 0, no hash   in the free queue
+
+The free queue is in LRU order: a freed block goes to the back, an allocation takes the front,
+so cached blocks live as long as possible and the least recently used prefix is evicted first.
+A sequence frees its blocks tail first, so its last (least shareable) block is evicted before
+its first. "No room" is a ``None`` return (STYLE rule 4); running out is never an exception.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvstore.hashing import BlockHash, block_hashes
+from services.engine.sequence import BlockId, Sequence
+
+
+@dataclass
+class Block:
+    block_id: BlockId
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] = ()
+    """The block's tokens, kept to reject a (practically impossible) hash collision."""
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, root: BlockHash,
+                 enable_prefix_caching: bool = True) -> None:
+        assert num_blocks > 0 and block_size > 0
+        self.block_size = block_size
+        self.root = root
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(BlockId(i)) for i in range(num_blocks)]
+        self._free: OrderedDict[BlockId, None] = OrderedDict((BlockId(i), None) for i in range(num_blocks))
+        self._cached: dict[BlockHash, BlockId] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ----- hashing -----------------------------------------------------------------------
+    def update_hashes(self, seq: Sequence) -> list[BlockHash]:
+        """Extend ``seq.block_hashes`` to cover every full block of its tokens."""
+        start = len(seq.block_hashes)
+        if (len(seq) // self.block_size) > start:
+            parent = seq.block_hashes[-1] if start else None
+            seq.block_hashes.extend(block_hashes(seq.token_ids, self.block_size, self.root,
+                                                 start=start, parent=parent))
+        return seq.block_hashes
+
+    def lookup(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> BlockId | None:
+        block_id = self._cached.get(block_hash)
+        if block_id is None or self.blocks[block_id].token_ids != token_ids:
+            return None
+        return block_id
+
+    # ----- allocation --------------------------------------------------------------------
+    def get_computed_blocks(self, seq: Sequence) -> list[BlockId]:
+        """The cached blocks that cover the longest prefix of a not-yet-admitted sequence.
+
+        At least one token is left to compute, so the step that finishes the prefill has a
+        position to sample from.
+        """
+        assert not seq.block_table, "only for sequences that hold no blocks"
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        max_hit_blocks = (len(seq) - 1) // bs
+        hits: list[BlockId] = []
+        for i, h in enumerate(self.update_hashes(seq)[:max_hit_blocks]):
+            block_id = self.lookup(h, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       computed_blocks: list[BlockId] = ()) -> list[BlockId] | None:
+        """Make the block table cover ``num_computed_tokens + num_new_tokens`` tokens.
+
+        ``computed_blocks`` (from :meth:`get_computed_blocks`, admission only) join the table
+        first. Returns the newly allocated block ids, or None — changing nothing — if the free
+        queue cannot supply them.
+        """
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_needed = self.num_blocks_for(num_computed + num_new_tokens)
+        num_new_blocks = num_needed - len(seq.block_table) - len(computed_blocks)
+        # Touching a cached-but-free hit removes it from the free queue too.
+        num_free_hits = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        if num_new_blocks > self.num_free_blocks - num_free_hits:
+            return None
+        for block_id in computed_blocks:
+            self._touch(block_id)
+        seq.block_table.extend(computed_blocks)
+        new_blocks = [self._take_free() for _ in range(max(num_new_blocks, 0))]
+        seq.block_table.extend(new_blocks)
+        return new_blocks
+
+    def free(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.block_table = []
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register every full, computed block of ``seq`` in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        hashes = self.update_hashes(seq)
+        for i in range(min(seq.num_computed_tokens // bs, len(hashes))):
+            block = self.blocks[seq.block_table[i]]
+            if block.block_hash is None:
+                self._register(block, hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+
+    # ----- the disaggregation seam -----------------------------------------------------
+    def pin(self, block_ids: list[BlockId]) -> None:
+        """Hold blocks (e.g. while another engine reads them) so they cannot be evicted."""
+        for block_id in block_ids:
+            self._touch(block_id)
+
+    def unpin(self, block_ids: list[BlockId]) -> None:
+        for block_id in reversed(block_ids):
+            self._release(block_id)
+
+    def allocate_cached(self, entries: list[tuple[BlockHash, tuple[int, ...]]]) -> list[BlockId | None] | None:
+        """Reserve blocks for imported KV, pinned until the caller has written and unpinned them.
+
+        Returns one entry per input: a new block id to fill, or None where the hash is
+        already cached here. None overall if there is no room for the missing ones.
+        """
+        missing = [self._cached.get(h) is None for h, _ in entries]
+        if sum(missing) > self.num_free_blocks:
+            return None
+        out: list[BlockId | None] = []
+        for (block_hash, token_ids), is_missing in zip(entries, missing):
+            if not is_missing:
+                out.append(None)
+                continue
+            block_id = self._take_free()
+            self._register(self.blocks[block_id], block_hash, token_ids)
+            out.append(block_id)
+        return out
+
+    # ----- internals ---------------------------------------------------------------------
+    def _register(self, block: Block, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+        if block_hash in self._cached:
+            return  # another block already holds this content; keep the first
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self._cached[block_hash] = block.block_id
+
+    def _take_free(self) -> BlockId:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict the cached content
+            if self._cached.get(block.block_hash) == block_id:
+                del self._cached[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def _touch(self, block_id: BlockId) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _release(self, block_id: BlockId) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"double free of block {block_id}"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is None:
+                # Nothing to keep: reuse it before any cached block.
+                self._free[block_id] = None
+                self._free.move_to_end(block_id, last=False)
+            else:
+                self._free[block_id] = None

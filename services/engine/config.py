@@ -1,0 +1,48 @@
+"""Engine configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None
+    """Model name, GGUF file or Hugging Face directory; None is SmolLM2-135M-Instruct."""
+    block_size: int = 16
+    """Tokens per KV block (and per block hash)."""
+    kv_cache_gib: float = 2.0
+    """Memory for the KV block pool (pre-allocated and touched at start)."""
+    num_kv_blocks: int | None = None
+    """Exact pool size in blocks; overrides kv_cache_gib (tests)."""
+    max_num_seqs: int = 64
+    """Most sequences running at once."""
+    max_num_batched_tokens: int = 2048
+    """Per-step token budget shared by decodes and prefill chunks."""
+    max_model_len: int | None = None
+    """Context limit; defaults to the model's, capped by the pool's capacity."""
+    enable_prefix_caching: bool = True
+    device: str = "auto"
+    """"cpu", "cuda" or "auto" (CUDA when present)."""
+    dtype: str = "auto"
+    """"float32", "bfloat16", "float16" or "auto" (fp32 on CPU, bf16 on CUDA)."""
+    seed: int = 0
+    """Seeds the RNG of requests that bring no seed of their own."""
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, why: str) -> None:
+            if not ok:
+                raise InvalidRequestError(f"engine config {name}={getattr(self, name)!r}: {why}")
+
+        check(self.block_size > 0, "block_size", "must be > 0")
+        check(self.kv_cache_gib > 0, "kv_cache_gib", "must be > 0")
+        check(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks", "must be > 0")
+        check(self.max_num_seqs > 0, "max_num_seqs", "must be > 0")
+        check(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be > 0")
+        check(self.max_model_len is None or self.max_model_len > 1, "max_model_len", "must be > 1")
+        check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",
+              "must be auto, cpu or cuda[:N]")
+        check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+              "must be auto, float32, bfloat16 or float16")

@@ -1,0 +1,124 @@
+"""Runs one scheduled step on the model: the only engine part that touches torch tensors.
+
+It receives a :class:`SchedulerOutput` and nothing else (STYLE rule 3), owns the model, the
+KV block pool and per-request sampler state (seeded generators), and returns the sampled
+tokens. It knows nothing of queues or of how blocks were chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.attention import build_metadata
+from services.engine.models.config import ModelConfig
+from services.engine.models.llama import LlamaForCausalLM, rope_inv_freq
+from services.engine.sampler import Sampler, SamplingRow, TokenLogprobs
+from services.engine.scheduler import SchedulerOutput
+from services.engine.sequence import BlockId, RequestId
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[RequestId, int]
+    logprobs: dict[RequestId, TokenLogprobs | None]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], num_blocks: int,
+                 block_size: int, device: torch.device, dtype: torch.dtype,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.cfg = cfg
+        self.block_size = block_size
+        self.device, self.dtype = device, dtype
+        self.eos_token_ids = tuple(eos_token_ids)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg)
+        # Built on "meta" so no memory is spent on a random init that the weights overwrite.
+        model = model.to_empty(device=device)
+        model.load_weights(weights)
+        self.model = model.to(dtype).eval()
+        # After .to(dtype): RoPE frequencies stay fp32 like Hugging Face's.
+        self.model.inv_freq = rope_inv_freq(cfg).to(device)
+        # Zero-filled, so every page of the pool is touched now rather than mid-request.
+        self.kv_cache = torch.zeros(num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads,
+                                    cfg.head_dim, dtype=dtype, device=device)
+        self.sampler = Sampler()
+        self._generators: dict[RequestId, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in out.finished_request_ids:
+            self._generators.pop(request_id, None)
+        if not out.chunks:
+            return ModelRunnerOutput({}, {})
+        hidden = self._forward([(c.start_position, c.token_ids, c.block_table) for c in out.chunks])
+        last_rows, rows, ids = [], [], []
+        end = 0
+        for chunk in out.chunks:
+            end += len(chunk.token_ids)
+            if chunk.samples:
+                last_rows.append(end - 1)
+                rows.append(self._sampling_row(chunk))
+                ids.append(chunk.request_id)
+        if not rows:
+            return ModelRunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+        result = self.sampler(logits, rows)
+        return ModelRunnerOutput(dict(zip(ids, result.token_ids)), dict(zip(ids, result.logprobs)))
+
+    def _forward(self, chunks: list[tuple[int, list[int], list[BlockId]]]) -> torch.Tensor:
+        input_ids = torch.tensor([t for _, toks, _ in chunks for t in toks], dtype=torch.long,
+                                 device=self.device)
+        positions = torch.cat([torch.arange(s, s + len(toks)) for s, toks, _ in chunks]).to(self.device)
+        meta = build_metadata([(s, len(toks), table) for s, toks, table in chunks], self.block_size,
+                              self.cfg.num_layers, self.device)
+        return self.model(input_ids, positions, self.kv_cache, meta)
+
+    def _sampling_row(self, chunk) -> SamplingRow:
+        params = chunk.params
+        generator = None
+        if params.seed is not None and not params.is_greedy:
+            generator = self._generators.get(chunk.request_id)
+            if generator is None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+                self._generators[chunk.request_id] = generator
+        suppressed: tuple[int, ...] = ()
+        if len(chunk.output_token_ids) < params.min_tokens:
+            suppressed = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
+        return SamplingRow(params, chunk.prompt_token_ids, chunk.output_token_ids, generator, suppressed)
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], block_table: list[BlockId]) -> torch.Tensor:
+        """Logits at every position of one sequence (oracle tests, prompt logprobs)."""
+        hidden = self._forward([(0, list(token_ids), block_table)])
+        return self.model.compute_logits(hidden).float()
+
+    # ----- the disaggregation seam -------------------------------------------------------
+    def block_view(self, block_id: BlockId) -> torch.Tensor:
+        """One block's KV for every layer, [num_layers, 2, block_size, kv_heads, head_dim].
+
+        A view into the pool, contiguous in memory: ``view[l, 0]`` is layer l's K.
+        """
+        return self.kv_cache[block_id]
+
+    @torch.inference_mode()
+    def write_block(self, block_id: BlockId, data: torch.Tensor) -> None:
+        self.kv_cache[block_id].copy_(data)

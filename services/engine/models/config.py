@@ -1,0 +1,99 @@
+"""The architecture description a model runner needs, read from HF config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    """"llama" or "qwen2" (Llama family with q/k/v bias)."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = field(default=None, hash=False, compare=False)
+    """HF-style rope_scaling dict (rope_type linear / dynamic / llama3 / yarn) or None."""
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    """q/k/v projections carry a bias (Qwen2)."""
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "model"
+    """Served model name (directory or file stem)."""
+
+    def __post_init__(self) -> None:
+        assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict, name: str = "model") -> "ModelConfig":
+        """Build from a Hugging Face config.json dict (LlamaConfig / Qwen2Config)."""
+        arch = cfg.get("model_type", "llama")
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        rope_theta = cfg.get("rope_theta")
+        rope_scaling = cfg.get("rope_scaling")
+        params = cfg.get("rope_parameters")  # transformers >= 5 moves theta/scaling here
+        if isinstance(params, dict):
+            rope_theta = params.get("rope_theta", rope_theta)
+            if params.get("rope_type", "default") != "default":
+                rope_scaling = params
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default") else None,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=name,
+        )
+
+    def to_hf_dict(self) -> dict:
+        """The config.json transformers needs to load the same weights (oracle tests, cache)."""
+        cfg = {
+            "model_type": self.architecture,
+            "architectures": ["Qwen2ForCausalLM" if self.architecture == "qwen2" else "LlamaForCausalLM"],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+            "torch_dtype": "float32",
+        }
+        if self.architecture == "llama":
+            cfg["attention_bias"] = self.attention_bias
+            cfg["mlp_bias"] = False
+        return cfg
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim

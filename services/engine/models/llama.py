@@ -1,0 +1,183 @@
+"""Llama-family decoder (Llama, SmolLM, Qwen2) over the paged KV pool.
+
+Matches Hugging Face's ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` numerics (the oracle tests
+hold it to 1e-4 in fp32): RMSNorm in fp32, RoPE in the rotate-half layout, GQA, SwiGLU.
+Inputs are a flat batch of tokens from many sequences; :mod:`services.engine.attention` knows
+which token belongs where. q/k/v and gate/up are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.common.errors import InvalidRequestError
+from services.engine.attention import AttentionMetadata, paged_attention
+from services.engine.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in ("default", None):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise InvalidRequestError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3 are)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    # Llama 3.1's frequency-dependent scaling: long wavelengths scaled, short kept, a smooth band.
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        o = paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Flat batch of tokens -> final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().to(x.dtype)[:, None, :]
+        sin = emb.sin().to(x.dtype)[:, None, :]
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up."""
+        params = dict(self.named_parameters())
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        loaded: set[str] = set()
+        for name, tensor in weights.items():
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in fused:
+                target_mod, index = fused[parts[-2]]
+                target = ".".join(parts[:-2] + [target_mod, parts[-1]])
+                offset, size = self._fused_slice(target_mod, index)
+                params[target][offset:offset + size].copy_(tensor)
+                loaded.add(f"{target}#{index}")
+            elif name in params:
+                params[name].copy_(tensor)
+                loaded.add(name)
+            else:
+                raise RuntimeError(f"unexpected weight {name!r} for {self.cfg.architecture}")
+        expected = self._expected_weight_keys(params)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise RuntimeError(f"checkpoint is missing weights: {missing[:5]}")
+
+    def _fused_slice(self, module: str, index: int) -> tuple[int, int]:
+        cfg = self.cfg
+        if module == "gate_up_proj":
+            return index * cfg.intermediate_size, cfg.intermediate_size
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return [(0, q), (q, kv), (q + kv, kv)][index]
+
+    def _expected_weight_keys(self, params: dict) -> set[str]:
+        expected: set[str] = set()
+        for name in params:
+            if ".qkv_proj." in name:
+                expected.update(f"{name}#{i}" for i in range(3))
+            elif ".gate_up_proj." in name:
+                expected.update(f"{name}#{i}" for i in range(2))
+            else:
+                expected.add(name)
+        return expected

@@ -1,0 +1,86 @@
+"""A request's mutable state inside one engine.
+
+The wire type is the immutable prompt + :class:`SamplingParams`; this object adds what
+scheduling needs (STYLE rule 1) and is the one thing that flows through
+``schedule -> run -> postprocess``. Torch-free.
+
+Token accounting, for a sequence of ``len(token_ids)`` tokens::
+
+    token_ids:  [ p0 p1 ... p(P-1) | o0 o1 ... ]      P = num_prompt_tokens
+                |<- num_computed_tokens ->|            KV of these is in the pool
+                                          |<- next chunk ->|
+
+A step computes the next chunk; when that chunk reaches the last token the step also samples.
+Prefill, chunked prefill, decode and recompute after preemption are the same rule.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import NewType
+
+from kvstore.hashing import BlockHash
+from services.common.sampling_params import SamplingParams
+
+RequestId = NewType("RequestId", str)
+BlockId = NewType("BlockId", int)
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"      # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"    # the caller cancelled
+
+
+class Sequence:
+    def __init__(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        """Prompt tokens served from the prefix cache at first admission (usage reporting)."""
+        self.block_table: list[BlockId] = []
+        self.block_hashes: list[BlockHash] = []
+        """Hashes of the full blocks of ``token_ids`` computed so far (grows with the sequence)."""
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None
+        self.num_preemptions = 0
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, len={len(self)}, computed={self.num_computed_tokens}, "
+                f"status={self.status.value})")
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

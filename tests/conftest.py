@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny random checkpoints, and the no-leak check every engine test gets."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+
+from tests.factories import make_tiny_model_dir
+
+_engines: "weakref.WeakSet" = weakref.WeakSet()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _track_engines():
+    """Record every LLMEngine built during the session (module-scoped ones included)."""
+    try:
+        from services.engine.engine import LLMEngine
+    except ImportError:  # torch-free test runs
+        yield
+        return
+    original = LLMEngine.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _engines.add(self)
+
+    LLMEngine.__init__ = init
+    yield
+    LLMEngine.__init__ = original
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_blocks():
+    """After every test, every engine has no request left and every KV block free."""
+    yield
+    for engine in list(_engines):
+        bm = engine.block_manager
+        assert not engine.has_unfinished_requests(), "a request was left in the engine"
+        assert bm.num_free_blocks == bm.num_blocks, (
+            f"{bm.num_blocks - bm.num_free_blocks} KV blocks still held after the test")

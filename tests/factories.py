@@ -1,0 +1,39 @@
+"""Test factories: tiny random Hugging Face models saved the way users ship them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+            rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+            tie_word_embeddings=False, initializer_range=0.05)
+
+
+def make_tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A random Llama or Qwen2 checkpoint (config.json + model.safetensors) under ``path``."""
+    import transformers
+
+    cfg_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    cfg = cfg_cls(**{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    if arch == "qwen2":  # random init leaves biases at zero; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.05)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def random_prompts(n: int, lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # Ids from 3 up: 0-2 are special (pad/bos/eos) in the tiny configs.
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths[:n]]

@@ -1,0 +1,62 @@
+"""The real default model, SmolLM2-135M-Instruct, end to end through the offline API."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from services.engine import LLM, SamplingParams
+from services.engine.models.loader import load_model
+
+CHAT = [{"role": "user", "content": "Write a short poem about the sea, then explain it."}]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(kv_cache_gib=0.5, max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    # Same weights: transformers reads the safetensors directory our loader converted the GGUF into.
+    path = load_model(None).path
+    return transformers.LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+
+def test_logits_and_64_greedy_tokens_match_transformers(llm, hf):
+    prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(CHAT))
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    got = llm.engine.prompt_logits(prompt)
+    assert (got - expected).abs().max().item() <= 1e-4
+    ids = torch.tensor([prompt])
+    # An explicit mask: the chat prompt contains <|im_end|>, which transformers would take for padding.
+    hf_ids = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, min_new_tokens=64,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    ours = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))[0]
+    assert ours.token_ids == hf_ids
+
+
+def test_chat_answers_and_stops_on_eos(llm):
+    out = llm.chat(CHAT[:0] + [{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=48))[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids
+    assert out.text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_stop_string_cuts_the_text(llm):
+    free = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=40))[0]
+    word = free.text.split()[3]
+    out = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=40, stop=[word]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == word
+    assert out.text == free.text[:free.text.index(word)]
+
+
+def test_seeded_chat_is_reproducible_and_prefix_cache_hits(llm):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24)
+    a = llm.chat(CHAT, params)[0]
+    b = llm.chat(CHAT, params)[0]
+    assert a.text == b.text and a.token_ids == b.token_ids
+    assert b.num_cached_tokens >= 16 * ((len(b.prompt_token_ids) - 1) // 16)

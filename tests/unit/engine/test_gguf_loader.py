@@ -1,0 +1,448 @@
+"""GGUF reading and model loading: tiny GGUF files written here, then SmolLM2 against transformers.
+
+Oracles, strongest first: transformers' own GGUF loader (SmolLM2 and the tiny files), transformers'
+torch dequantization kernels, a line-by-line port of ggml's C dequantization for the K-quants, and
+the weights the tiny files were written from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+
+import gguf
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from services.common.errors import ModelNotFoundError
+from services.engine.models import loader
+from services.engine.models.config import ModelConfig
+from services.engine.models.gguf_file import GGUFFile, dequantize
+from services.engine.models.loader import load_model
+
+HIDDEN, HEADS, KV_HEADS, INTER, LAYERS = 256, 4, 2, 512, 2  # 256: the K-quant block length
+HEAD_DIM = HIDDEN // HEADS
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "Ġa n", "Ġan d", "e r"]
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+def gpt2_byte_chars() -> list[str]:
+    """GPT-2's printable stand-in for each byte value (bytes_to_unicode), in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+TOKENS = SPECIAL + gpt2_byte_chars() + [merge.replace(" ", "") for merge in MERGES]
+TOKEN_TYPES = [3] * len(SPECIAL) + [1] * (len(TOKENS) - len(SPECIAL))
+VOCAB = len(TOKENS)
+
+
+def hf_weights(arch: str, tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,)}
+    if not tied:
+        shapes["lm_head.weight"] = (VOCAB, HIDDEN)
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (HIDDEN,), p + "post_attention_layernorm.weight": (HIDDEN,),
+            p + "self_attn.q_proj.weight": (q, HIDDEN), p + "self_attn.k_proj.weight": (kv, HIDDEN),
+            p + "self_attn.v_proj.weight": (kv, HIDDEN), p + "self_attn.o_proj.weight": (HIDDEN, q),
+            p + "mlp.gate_proj.weight": (INTER, HIDDEN), p + "mlp.up_proj.weight": (INTER, HIDDEN),
+            p + "mlp.down_proj.weight": (HIDDEN, INTER),
+        }
+        if arch == "qwen2":
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+    rng = np.random.default_rng(seed)
+    return {name: rng.standard_normal(shape, dtype=np.float32) for name, shape in shapes.items()}
+
+
+_TO_GGUF = {
+    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    module, kind = hf_name.rsplit(".", 1)
+    if module.startswith("model.layers."):
+        _, _, layer, rest = module.split(".", 3)
+        return f"blk.{layer}.{_TO_GGUF[rest]}.{kind}"
+    return f"{_TO_GGUF[module]}.{kind}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: what a llama GGUF holds for q/k."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, arch, weights, qtype_of=lambda name: Q.F32, raw=None, metadata=None, pre="smollm"):
+    """A GGUF the way llama.cpp's converter lays one out; ``raw`` maps HF name -> (blocks, type)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    for method, value in [
+        ("block_count", LAYERS), ("context_length", 512), ("embedding_length", HIDDEN),
+        ("feed_forward_length", INTER), ("head_count", HEADS), ("head_count_kv", KV_HEADS),
+        ("rope_freq_base", 500000.0), ("layer_norm_rms_eps", 1e-6), ("rope_dimension_count", HEAD_DIM),
+        ("tokenizer_model", "gpt2"), ("tokenizer_pre", pre), ("token_list", TOKENS), ("token_types", TOKEN_TYPES),
+        ("token_merges", MERGES), ("bos_token_id", 1), ("eos_token_id", 2), ("add_bos_token", False),
+        ("chat_template", TEMPLATE),
+    ]:
+        getattr(writer, f"add_{method}")(value)
+    for write in (metadata or ()):
+        write(writer)
+    for name, value in weights.items():
+        if name in (raw or {}):
+            blocks, qtype = raw[name]
+            writer.add_tensor(gguf_name(name), blocks, raw_dtype=qtype)
+            continue
+        if arch == "llama" and "q_proj" in name:
+            value = llama_cpp_permute(value, HEADS)
+        elif arch == "llama" and "k_proj" in name:
+            value = llama_cpp_permute(value, KV_HEADS)
+        qtype = qtype_of(name) if value.ndim == 2 else Q.F32
+        writer.add_tensor(gguf_name(name), gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def read_weights(path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    gguf_file = GGUFFile(path)
+    config = gguf_file.model_config(name="tiny")
+    return config, dict(gguf_file.iter_weights(config))
+
+
+# --- ggml's C dequantization (ggml-quants.c), ported loop for loop, as the K-quant oracle ---------
+
+def _fp16(blocks: np.ndarray, start: int) -> np.ndarray:
+    return blocks[:, start:start + 2].copy().view(np.float16).astype(np.float32)[:, 0]
+
+
+def ggml_dequantize_row_q4_k(blocks: np.ndarray) -> np.ndarray:
+    d, dmin, scales, qs = _fp16(blocks, 0), _fp16(blocks, 2), blocks[:, 4:16], blocks[:, 16:144]
+
+    def get_scale_min_k4(j):
+        if j < 4:
+            return scales[:, j] & 63, scales[:, j + 4] & 63
+        return ((scales[:, j + 4] & 0xF) | ((scales[:, j - 4] >> 6) << 4),
+                (scales[:, j + 4] >> 4) | ((scales[:, j] >> 6) << 4))
+
+    y = np.empty((blocks.shape[0], 256), np.float32)
+    out, q, is_ = 0, 0, 0
+    for _ in range(0, 256, 64):
+        sc, m = get_scale_min_k4(is_)
+        d1, m1 = d * sc, dmin * m
+        sc, m = get_scale_min_k4(is_ + 1)
+        d2, m2 = d * sc, dmin * m
+        for lane in range(32):
+            y[:, out + lane] = d1 * (qs[:, q + lane] & 0xF) - m1
+            y[:, out + 32 + lane] = d2 * (qs[:, q + lane] >> 4) - m2
+        out, q, is_ = out + 64, q + 32, is_ + 2
+    return y
+
+
+def ggml_dequantize_row_q6_k(blocks: np.ndarray) -> np.ndarray:
+    ql, qh, sc, d = blocks[:, 0:128], blocks[:, 128:192], blocks[:, 192:208].view(np.int8), _fp16(blocks, 208)
+    y = np.empty((blocks.shape[0], 256), np.float32)
+    for half in (0, 1):
+        l0, h0, s0, y0 = 64 * half, 32 * half, 8 * half, 128 * half
+        for lane in range(32):
+            is_ = lane // 16
+            qh_l = qh[:, h0 + lane].astype(np.int32)
+            q1 = ((ql[:, l0 + lane] & 0xF) | (((qh_l >> 0) & 3) << 4)) - 32
+            q2 = ((ql[:, l0 + lane + 32] & 0xF) | (((qh_l >> 2) & 3) << 4)) - 32
+            q3 = ((ql[:, l0 + lane] >> 4) | (((qh_l >> 4) & 3) << 4)) - 32
+            q4 = ((ql[:, l0 + lane + 32] >> 4) | (((qh_l >> 6) & 3) << 4)) - 32
+            for offset, q, s in ((0, q1, 0), (32, q2, 2), (64, q3, 4), (96, q4, 6)):
+                y[:, y0 + offset + lane] = d * sc[:, s0 + is_ + s] * q.astype(np.float32)
+    return y
+
+
+def random_k_blocks(rng, n_blocks: int, qtype: Q) -> np.ndarray:
+    """Random K-quant blocks whose fp16 scales are sane numbers rather than random bit patterns."""
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
+    scale_offsets = (0, 2) if qtype == Q.Q4_K else (208,)
+    for offset in scale_offsets:
+        blocks[:, offset:offset + 2] = rng.uniform(0.01, 0.1, (n_blocks, 1)).astype(np.float16).view(np.uint8)
+    return blocks
+
+
+@contextlib.contextmanager
+def transformers_gguf():
+    """transformers refuses GGUF without accelerate, which it does not otherwise use on this path."""
+    import transformers.modeling_utils
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transformers.modeling_utils, "is_accelerate_available", lambda: True)
+        yield
+
+
+# --- tiny files -----------------------------------------------------------------------------------
+
+def test_f32_llama_weights_are_exact_and_unpermuted(tmp_path):
+    original = hf_weights("llama", tied=False)
+    _, ours = read_weights(write_gguf(tmp_path / "tiny.gguf", "llama", original))
+    assert sorted(ours) == sorted(original)
+    for name, value in original.items():
+        assert ours[name].dtype == torch.float32
+        assert torch.equal(ours[name], torch.from_numpy(value)), name
+
+
+def test_config_from_metadata(tmp_path):
+    config, _ = read_weights(write_gguf(tmp_path / "tiny.gguf", "llama", hf_weights("llama", tied=False)))
+    assert config == ModelConfig(
+        architecture="llama", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_layers=LAYERS,
+        num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=512,
+        rms_norm_eps=float(np.float32(1e-6)), rope_theta=500000.0, tie_word_embeddings=False,
+        attention_bias=False, bos_token_id=1, eos_token_ids=(2,), name="tiny",
+    )
+    assert config.rope_scaling is None
+
+
+# Worst error per element relative to the tensor's largest magnitude: half a step, or a whole one
+# where Q4_0 clips the extreme of the opposite sign.
+QUANT_TOLERANCE = {Q.F16: 1e-3, Q.BF16: 8e-3, Q.Q8_0: 1e-2, Q.Q4_0: 0.13, Q.Q4_1: 0.13}
+
+
+@pytest.mark.parametrize("qtype", list(QUANT_TOLERANCE), ids=lambda q: q.name)
+def test_quantized_weights_dequantize_and_unpermute(tmp_path, qtype):
+    original = hf_weights("llama", tied=False)
+    _, ours = read_weights(write_gguf(tmp_path / "tiny.gguf", "llama", original, qtype_of=lambda name: qtype))
+    for name, value in original.items():
+        if value.ndim == 1:
+            assert torch.equal(ours[name], torch.from_numpy(value)), name
+            continue
+        # Quantization works row by row, so it commutes with the row permutation of q/k.
+        expected = gguf.quants.dequantize(gguf.quants.quantize(value, qtype), qtype).reshape(value.shape)
+        assert torch.equal(ours[name], torch.from_numpy(np.asarray(expected, np.float32))), name
+        error = (ours[name] - torch.from_numpy(value)).abs().max().item()
+        assert error <= QUANT_TOLERANCE[qtype] * np.abs(value).max(), name
+
+
+def k_quant_file(tmp_path, seed=0):
+    """A tiny llama with every quantization type we promise: K-quants as hand-built blocks."""
+    rng = np.random.default_rng(seed)
+    original = hf_weights("llama", tied=False, seed=seed)
+    raw, expected = {}, dict(original)
+    for i in range(LAYERS):
+        up, down = f"model.layers.{i}.mlp.up_proj.weight", f"model.layers.{i}.mlp.down_proj.weight"
+        up_blocks, down_blocks = random_k_blocks(rng, INTER, Q.Q4_K), random_k_blocks(rng, HIDDEN * 2, Q.Q6_K)
+        raw[up] = (up_blocks, Q.Q4_K)
+        raw[down] = (down_blocks.reshape(HIDDEN, -1), Q.Q6_K)
+        expected[up] = ggml_dequantize_row_q4_k(up_blocks).reshape(INTER, HIDDEN)
+        expected[down] = ggml_dequantize_row_q6_k(down_blocks).reshape(HIDDEN, INTER)
+    qtypes = {"q_proj": Q.Q8_0, "k_proj": Q.Q4_0, "v_proj": Q.Q4_1, "o_proj": Q.F16, "gate_proj": Q.BF16}
+
+    def qtype_of(name):
+        return next((q for part, q in qtypes.items() if part in name), Q.Q8_0)
+
+    path = write_gguf(tmp_path / "tiny-k.gguf", "llama", original, qtype_of=qtype_of, raw=raw)
+    return path, expected, raw
+
+
+def test_k_quants_match_ggml_reference_and_transformers_kernels(tmp_path):
+    from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
+
+    path, expected, raw = k_quant_file(tmp_path)
+    _, ours = read_weights(path)
+    for name, (blocks, qtype) in raw.items():
+        assert torch.equal(ours[name], torch.from_numpy(expected[name])), name
+        theirs = hf_dequantize(torch.from_numpy(blocks.reshape(-1)), int(qtype)).reshape(ours[name].shape)
+        assert torch.equal(ours[name], theirs), name
+
+
+def test_qwen2_keeps_biases_and_is_not_permuted(tmp_path):
+    original = hf_weights("qwen2", tied=True)
+    config, ours = read_weights(write_gguf(tmp_path / "tiny-qwen.gguf", "qwen2", original, pre="qwen2"))
+    assert (config.architecture, config.attention_bias, config.tie_word_embeddings) == ("qwen2", True, True)
+    assert "lm_head.weight" not in ours and "model.layers.1.self_attn.k_proj.bias" in ours
+    assert sorted(ours) == sorted(original)
+    for name, value in original.items():
+        assert torch.equal(ours[name], torch.from_numpy(value)), name
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_transformers_reads_tiny_files_as_we_do(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    if arch == "llama":
+        path, _, _ = k_quant_file(tmp_path)
+    else:
+        path = write_gguf(tmp_path / "tiny-qwen.gguf", "qwen2", hf_weights("qwen2", tied=True), pre="qwen2",
+                          qtype_of=lambda name: Q.Q8_0)
+    _, ours = read_weights(path)
+    with transformers_gguf():
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    theirs = model.state_dict()
+    assert set(ours) <= set(theirs)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+def _write_llama3_freqs(factor):
+    def write(writer):
+        freqs = 1.0 / 500000.0 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+        wavelen = 2 * np.pi / freqs
+        smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+        mid = 1 / ((1 - smooth) / factor + smooth)
+        values = np.where(wavelen < 8192 / 4.0, 1.0, np.where(wavelen > 8192 / 1.0, factor, mid))
+        writer.add_tensor("rope_freqs.weight", values.astype(np.float32), raw_dtype=Q.F32)
+    return write
+
+
+def test_rope_scaling_from_metadata_and_llama3_freqs(tmp_path):
+    linear = [lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR), lambda w: w.add_rope_scaling_factor(2.0)]
+    config, _ = read_weights(write_gguf(tmp_path / "a.gguf", "llama", hf_weights("llama", True), metadata=linear))
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+
+    config, weights = read_weights(write_gguf(tmp_path / "b.gguf", "llama", hf_weights("llama", True),
+                                              metadata=[_write_llama3_freqs(32.0)]))
+    assert config.rope_scaling == {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert not any("rope_freqs" in name for name in weights)
+
+
+# --- the loader ---------------------------------------------------------------------------------
+
+def test_unknown_model_raises_model_not_found(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no-such-model"):
+        load_model("no-such-model", cache_dir=tmp_path)
+    with pytest.raises(ModelNotFoundError, match=r"config\.json"):
+        load_model(str(tmp_path), cache_dir=tmp_path)  # a directory, but not a model
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    with pytest.raises(ModelNotFoundError, match="weights.bin"):
+        load_model(str(tmp_path / "weights.bin"), cache_dir=tmp_path)
+    (tmp_path / "broken.gguf").write_bytes(b"not a gguf")
+    with pytest.raises(ModelNotFoundError, match="broken.gguf"):
+        load_model(str(tmp_path / "broken.gguf"), cache_dir=tmp_path)
+
+
+def test_gguf_is_converted_once_then_read_from_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("EPD_CACHE_DIR", str(cache))
+    conversions = []
+    convert = loader.convert_gguf
+    monkeypatch.setattr(loader, "convert_gguf", lambda *args: conversions.append(args) or convert(*args))
+    original = hf_weights("llama", tied=True)
+    path = write_gguf(tmp_path / "tiny-llama.gguf", "llama", original)
+
+    first = load_model(str(path))
+    second = load_model(str(path))
+    assert len(conversions) == 1
+    assert first.path == second.path and first.path.startswith(str(cache / "tiny-llama-"))
+    assert sorted(os.listdir(first.path)) == ["config.json", "model.safetensors", "tokenizer.json",
+                                              "tokenizer_config.json"]
+    assert os.listdir(cache) == [os.path.basename(first.path)]  # no temporary directory left behind
+    assert first.config == second.config and first.config.name == "tiny-llama"
+    for name, value in original.items():
+        assert torch.equal(second.weights[name], torch.from_numpy(value)), name
+    assert second.tokenizer is not None and second.tokenizer.eos_token_ids == (2,)
+    assert second.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == \
+        "<|im_start|>user\nhi<|im_end|>\n"
+
+    os.utime(path, ns=(1, 1))  # a replaced file gets a new cache entry
+    load_model(str(path))
+    assert len(conversions) == 2
+
+
+def test_hf_directory_with_shards(tmp_path):
+    model_dir = tmp_path / "my-model"
+    model_dir.mkdir()
+    original = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in hf_weights("qwen2", tied=True).items()}
+    original["lm_head.weight"] = original["model.embed_tokens.weight"].clone()  # tied, but stored anyway
+    names = sorted(original)
+    weight_map = {}
+    for index, shard in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        file_name = f"model-0000{index + 1}-of-00002.safetensors"
+        safetensors.torch.save_file({k: original[k] for k in shard}, model_dir / file_name)
+        weight_map |= {k: file_name for k in shard}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    # Some repos also ship the same weights consolidated under other names; the index leaves it out.
+    safetensors.torch.save_file({"consolidated.w": torch.zeros(1)}, model_dir / "consolidated.safetensors")
+    config = ModelConfig(architecture="qwen2", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
+                         num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                         max_position_embeddings=512, tie_word_embeddings=True, attention_bias=True,
+                         eos_token_ids=(2,))
+    (model_dir / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+
+    loaded = load_model(str(model_dir), cache_dir=tmp_path / "unused")
+    assert loaded.tokenizer is None and loaded.path == str(model_dir)
+    assert loaded.config.name == "my-model" and loaded.config.eos_token_ids == (2, 5)
+    assert loaded.config.attention_bias and loaded.config.architecture == "qwen2"
+    assert sorted(loaded.weights) == sorted(set(names) - {"lm_head.weight"})
+    for name, tensor in loaded.weights.items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, original[name].float()), name
+    assert not (tmp_path / "unused").exists()
+
+
+# --- SmolLM2, the model the package ships ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    converted = load_model(cache_dir=cache)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EPD_CACHE_DIR", str(cache))
+        start = time.perf_counter()
+        cached = load_model("smollm2")
+        seconds = time.perf_counter() - start
+    print(f"SmolLM2 cached load: {seconds:.3f} s")
+    return converted, cached, seconds
+
+
+def test_smollm2_config(smollm2):
+    converted, cached, _ = smollm2
+    assert converted.config == cached.config == ModelConfig(
+        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+        num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
+        rms_norm_eps=float(np.float32(1e-5)), rope_theta=100000.0, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_ids=(2,), name="SmolLM2-135M-Instruct",
+    )
+    assert "lm_head.weight" not in cached.weights and len(cached.weights) == 272
+
+
+def test_smollm2_cached_load_is_fast(smollm2):
+    converted, cached, seconds = smollm2
+    assert cached.path == converted.path
+    assert seconds < 1.5  # ~0.25 s measured; the margin is for slow CI disks
+    for name, tensor in converted.weights.items():
+        assert torch.equal(tensor, cached.weights[name]), name
+
+
+def test_smollm2_dequantization_matches_transformers_kernels():
+    from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
+
+    reader = gguf.GGUFReader(loader.default_gguf_path())
+    quantized = [t for t in reader.tensors if t.tensor_type in (Q.Q4_1, Q.Q8_0)]
+    assert {t.tensor_type for t in quantized} == {Q.Q4_1, Q.Q8_0}
+    for tensor in quantized[:40]:
+        theirs = hf_dequantize(torch.from_numpy(np.array(tensor.data).reshape(-1)), int(tensor.tensor_type))
+        assert torch.equal(torch.from_numpy(dequantize(tensor)).reshape(-1), theirs), tensor.name
+
+
+@pytest.mark.slow
+def test_smollm2_weights_equal_transformers_gguf_loader(smollm2):
+    from transformers import LlamaForCausalLM
+
+    _, cached, _ = smollm2
+    gguf_path = loader.default_gguf_path()
+    with transformers_gguf():
+        model = LlamaForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    theirs = model.state_dict()
+    assert set(theirs) - set(cached.weights) == {"lm_head.weight"}  # tied: transformers lists it anyway
+    for name, tensor in cached.weights.items():
+        assert torch.equal(tensor, theirs[name]), name
