@@ -5,16 +5,22 @@ byte range (what the transfer engine registers and moves)::
 
     kv_cache[num_blocks, num_layers, 2 (k|v), block_size, num_kv_heads, head_dim]
 
-Seen as rows of [num_kv_heads, head_dim], token position p of a sequence, layer l, k|v = c is
-row ``((block_table[p // B] * L + l) * 2 + c) * B + p % B``. :func:`build_metadata` computes
-``block_table[p // B] * L * 2 * B + p % B`` (the layer-0 K row) once per step; every layer adds
-``(2l + c) * B``. Reads and writes are then ``index_select`` / ``index_copy_`` on rows, which
-are far cheaper than multi-dimensional advanced indexing.
+Two flat views of it are used, both indexed by arithmetic computed once per step:
+
+    token rows  [num_blocks * L * 2 * B, kv_heads, head_dim]
+                row of (position p, layer l, c = k|v) = (table[p // B] * 2L + 2l + c) * B + p % B
+    block rows  [num_blocks * L * 2, B, kv_heads, head_dim]
+                row of (block b, layer l, c)           = b * 2L + 2l + c
+
+New K/V are written per token (``index_copy_`` on token rows); contexts are read per block
+(``index_select`` on block rows, 4x faster than per token), and positions past a sequence's
+length inside its last block are masked out.
 
 * a chunk that starts at position 0 attends to its own fresh K/V (causal, nothing to gather);
-* a chunk that continues a sequence (chunked prefill, prefix hit) gathers its context from
-  the pool and uses an explicit causal mask offset by its start;
-* single-token decodes are gathered together, padded to the longest, and run as one batch.
+* a chunk that continues a sequence (chunked prefill, prefix hit) gathers its context blocks
+  and uses an explicit causal mask offset by its start;
+* single-token decodes are sorted by context length and run in a few batches of similar
+  length, each padded to its longest (padding costs memory bandwidth, the decode bottleneck).
 """
 
 from __future__ import annotations
@@ -31,65 +37,92 @@ class Span:
 
     token_start: int
     num_tokens: int
-    context_rows: torch.Tensor | None  # [ctx] layer-0 K row per context position; None if fresh
-    mask: torch.Tensor | None          # [n, ctx] True where attention is allowed
+    context_blocks: torch.Tensor | None  # [num_ctx_blocks] block row (layer 0, k); None if fresh
+    mask: torch.Tensor | None            # [n, num_ctx_blocks * B] True where attention is allowed
+
+
+@dataclass
+class DecodeGroup:
+    """Single-token decodes of similar context length, attended as one padded batch."""
+
+    token_index: torch.Tensor  # [Bd] rows of the flat batch
+    blocks: torch.Tensor       # [Bd * max_blocks] block rows (layer 0, k), padded
+    mask: torch.Tensor         # [Bd, 1, 1, max_blocks * B]
 
 
 @dataclass
 class AttentionMetadata:
     num_layers: int
     block_size: int
-    slot_rows: torch.Tensor  # [T] layer-0 K row of each new token
+    slot_rows: torch.Tensor  # [T] token row (layer 0, k) of each new token
     spans: list[Span]
-    decode_token_index: torch.Tensor | None = None  # [Bd] decode rows of the flat batch
-    decode_rows: torch.Tensor | None = None         # [Bd * max_ctx] layer-0 K rows, padded
-    decode_mask: torch.Tensor | None = None         # [Bd, 1, 1, max_ctx]
-    decode_max_ctx: int = 0
+    decodes: list[DecodeGroup]
+    workspace: torch.Tensor | None = None
+    """[2, max_gather_blocks, B, kv_heads, head_dim] reused by every gather of the step: a
+    fresh tensor per gather costs more in page faults than the copy itself on the CPU."""
+
+    @property
+    def max_gather_blocks(self) -> int:
+        sizes = [s.context_blocks.shape[0] for s in self.spans if s.context_blocks is not None]
+        return max(sizes + [g.blocks.shape[0] for g in self.decodes], default=0)
 
     def layer_offset(self, layer: int, kv: int) -> int:
-        return (2 * layer + kv) * self.block_size
-
-
-def _rows(block_table: list[int], start: int, end: int, block_size: int, stride: int) -> list[int]:
-    return [block_table[p // block_size] * stride + p % block_size for p in range(start, end)]
+        """Offset of (layer, k|v) in block rows; times block_size in token rows."""
+        return 2 * layer + kv
 
 
 def build_metadata(chunks: list[tuple[int, int, list[int]]], block_size: int, num_layers: int,
                    device: torch.device) -> AttentionMetadata:
     """``chunks``: (start_position, num_new_tokens, block_table) per sequence, in batch order."""
-    stride = num_layers * 2 * block_size  # rows per block
+    stride = 2 * num_layers  # block rows per block
     slot_rows: list[int] = []
     spans: list[Span] = []
     dec_index: list[int] = []
-    dec_rows: list[list[int]] = []
+    dec_tables: list[list[int]] = []
+    dec_lengths: list[int] = []
     token_start = 0
     for start, n, table in chunks:
-        slot_rows.extend(_rows(table, start, start + n, block_size, stride))
+        slot_rows.extend(table[p // block_size] * stride * block_size + p % block_size
+                         for p in range(start, start + n))
+        num_ctx_blocks = -(-(start + n) // block_size)
+        ctx_blocks = [b * stride for b in table[:num_ctx_blocks]]
         if n == 1 and start > 0:
             dec_index.append(token_start)
-            dec_rows.append(_rows(table, 0, start + 1, block_size, stride))
+            dec_tables.append(ctx_blocks)
+            dec_lengths.append(start + 1)
         elif start == 0:
             spans.append(Span(token_start, n, None, None))
         else:
             q_pos = torch.arange(start, start + n, device=device)
-            mask = torch.arange(start + n, device=device)[None, :] <= q_pos[:, None]
-            rows = torch.tensor(_rows(table, 0, start + n, block_size, stride), device=device)
-            spans.append(Span(token_start, n, rows, mask))
+            mask = torch.arange(num_ctx_blocks * block_size, device=device)[None, :] <= q_pos[:, None]
+            spans.append(Span(token_start, n, torch.tensor(ctx_blocks, device=device), mask))
         token_start += n
 
     def long(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    meta = AttentionMetadata(num_layers, block_size, long(slot_rows), spans)
-    if dec_index:
-        max_ctx = max(map(len, dec_rows))
-        # Padding points at row 0 (a real row) and is masked out.
-        meta.decode_rows = long([r + [0] * (max_ctx - len(r)) for r in dec_rows]).view(-1)
-        lengths = long([len(r) for r in dec_rows])
-        meta.decode_mask = (torch.arange(max_ctx, device=device)[None, :] < lengths[:, None])[:, None, None, :]
-        meta.decode_token_index = long(dec_index)
-        meta.decode_max_ctx = max_ctx
-    return meta
+    groups = []
+    for members in _group_by_length(dec_lengths):
+        tables = [dec_tables[i] for i in members]
+        max_blocks = max(map(len, tables))
+        # Padding reads block row 0 (a real block) and is masked out.
+        blocks = long([t + [0] * (max_blocks - len(t)) for t in tables]).view(-1)
+        positions = torch.arange(max_blocks * block_size, device=device)
+        mask = positions[None, :] < long([dec_lengths[i] for i in members])[:, None]
+        groups.append(DecodeGroup(long([dec_index[i] for i in members]), blocks, mask[:, None, None, :]))
+    return AttentionMetadata(num_layers, block_size, long(slot_rows), spans, groups)
+
+
+def _group_by_length(lengths: list[int], max_ratio: float = 1.3, max_groups: int = 6) -> list[list[int]]:
+    """Indices sorted by length, split where a length exceeds its group's shortest by max_ratio."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (lengths[i] <= max_ratio * lengths[groups[-1][0]] or len(groups) == max_groups):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -98,30 +131,37 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
     Writes the new K/V into the pool first, so gathered contexts include them.
     """
-    rows = kv_cache.view(-1, k.shape[1], k.shape[2])
+    num_kv_heads, head_dim, bs = k.shape[1], k.shape[2], meta.block_size
+    token_rows = kv_cache.view(-1, num_kv_heads, head_dim)
+    block_rows = kv_cache.view(-1, bs, num_kv_heads, head_dim)
     k_off, v_off = meta.layer_offset(layer, 0), meta.layer_offset(layer, 1)
-    rows.index_copy_(0, meta.slot_rows + k_off, k)
-    rows.index_copy_(0, meta.slot_rows + v_off, v)
+    token_rows.index_copy_(0, meta.slot_rows + k_off * bs, k)
+    token_rows.index_copy_(0, meta.slot_rows + v_off * bs, v)
+
+    def gather(blocks: torch.Tensor, kv: int, num_seqs: int) -> torch.Tensor:
+        # [num_seqs, kv_heads, ctx, head_dim]
+        index = blocks + (k_off if kv == 0 else v_off)
+        if meta.workspace is None:
+            out = block_rows.index_select(0, index)
+        else:
+            out = torch.index_select(block_rows, 0, index, out=meta.workspace[kv, :index.shape[0]])
+        return out.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+
     out = torch.empty_like(q)
     for span in meta.spans:
         sl = slice(span.token_start, span.token_start + span.num_tokens)
-        if span.context_rows is None:
-            ks, vs, causal = k[sl], v[sl], True
+        if span.context_blocks is None:
+            ks, vs = k[sl].transpose(0, 1).unsqueeze(0), v[sl].transpose(0, 1).unsqueeze(0)
         else:
-            ks = rows.index_select(0, span.context_rows + k_off)
-            vs = rows.index_select(0, span.context_rows + v_off)
-            causal = False
+            ks, vs = gather(span.context_blocks, 0, 1), gather(span.context_blocks, 1, 1)
         o = F.scaled_dot_product_attention(
-            q[sl].transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0),
-            vs.transpose(0, 1).unsqueeze(0), attn_mask=span.mask, is_causal=causal, scale=scale,
-            enable_gqa=True)
+            q[sl].transpose(0, 1).unsqueeze(0), ks, vs, attn_mask=span.mask,
+            is_causal=span.mask is None, scale=scale, enable_gqa=True)
         out[sl] = o.squeeze(0).transpose(0, 1)
-    if meta.decode_token_index is not None:
-        shape = (-1, meta.decode_max_ctx, k.shape[1], k.shape[2])
-        kd = rows.index_select(0, meta.decode_rows + k_off).view(shape).transpose(1, 2)
-        vd = rows.index_select(0, meta.decode_rows + v_off).view(shape).transpose(1, 2)
-        qd = q[meta.decode_token_index].unsqueeze(2)  # [Bd, H, 1, D]
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
-                                           enable_gqa=True)
-        out[meta.decode_token_index] = o.squeeze(2)
+    for group in meta.decodes:
+        num_dec = group.token_index.shape[0]
+        kd, vd = gather(group.blocks, 0, num_dec), gather(group.blocks, 1, num_dec)
+        qd = q[group.token_index].unsqueeze(2)  # [Bd, H, 1, D]
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale, enable_gqa=True)
+        out[group.token_index] = o.squeeze(2)
     return out

@@ -139,9 +139,10 @@ class LLMEngine:
             stop = state.add_token(seq.token_ids[-1], result.logprobs.get(seq.request_id))
             if stop is not None:
                 self.scheduler.finish(seq, FinishReason.STOP, stop_reason=stop)
-            outputs.append(state.to_output())
             if seq.is_finished:
+                state.finish()
                 del self._states[seq.request_id]
+            outputs.append(state.to_output())
         return outputs
 
     def prompt_logits(self, token_ids: list[int]) -> "torch.Tensor":

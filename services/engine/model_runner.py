@@ -60,6 +60,7 @@ class ModelRunner:
         # Zero-filled, so every page of the pool is touched now rather than mid-request.
         self.kv_cache = torch.zeros(num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads,
                                     cfg.head_dim, dtype=dtype, device=device)
+        self._gather_buffer = self.kv_cache.new_empty((2, 0) + tuple(self.kv_cache.shape[3:]))
         self.sampler = Sampler()
         self._generators: dict[RequestId, torch.Generator] = {}
 
@@ -90,7 +91,15 @@ class ModelRunner:
         positions = torch.cat([torch.arange(s, s + len(toks)) for s, toks, _ in chunks]).to(self.device)
         meta = build_metadata([(s, len(toks), table) for s, toks, table in chunks], self.block_size,
                               self.cfg.num_layers, self.device)
+        meta.workspace = self._workspace(meta.max_gather_blocks)
         return self.model(input_ids, positions, self.kv_cache, meta)
+
+    def _workspace(self, num_blocks: int) -> torch.Tensor:
+        """Scratch for gathered K/V, kept across steps and grown by doubling."""
+        if self._gather_buffer.shape[1] < num_blocks:
+            size = max(num_blocks, 2 * self._gather_buffer.shape[1])
+            self._gather_buffer = self.kv_cache.new_empty((2, size) + tuple(self.kv_cache.shape[3:]))
+        return self._gather_buffer
 
     def _sampling_row(self, chunk) -> SamplingRow:
         params = chunk.params

@@ -74,6 +74,12 @@ class OutputState:
         self.text = self.text[:best[0]]
         return best[1]
 
+    def finish(self) -> None:
+        """Take what the detokenizer still holds (bytes that never became a character)."""
+        stopped_by_string = isinstance(self.seq.stop_reason, str)  # the text was cut there
+        if self.detokenizer is not None and not stopped_by_string:
+            self.text += self.detokenizer.flush()
+
     def to_output(self) -> RequestOutput:
         seq = self.seq
         reason = seq.finish_reason.value if isinstance(seq.finish_reason, FinishReason) else None

@@ -1,0 +1,49 @@
+"""Dependency direction (STYLE rule 15), checked on the import statements of every module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def imports_of(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
+    return [f"{p.relative_to(ROOT)} imports {name}" for p in modules(package) for name in imports_of(p)
+            if any(name == f or name.startswith(f + ".") for f in forbidden)]
+
+
+@pytest.mark.parametrize("package, forbidden", [
+    ("kvstore", ("services",)),
+    ("services/common", ("torch", "services.engine", "services.router", "services.prefill",
+                         "services.decode", "services.encoder")),
+])
+def test_dependency_direction(package, forbidden):
+    assert offenders(package, forbidden) == []
+
+
+def test_scheduling_core_is_torch_free():
+    core = ["sequence.py", "block_manager.py", "scheduler.py", "config.py"]
+    bad = [f"{name} imports {i}" for name in core for i in imports_of(ROOT / "services/engine" / name)
+           if i == "torch" or i.startswith("torch.")]
+    assert bad == []
+
+
+def test_every_package_is_non_empty():
+    assert modules("kvstore") and modules("services/common") and modules("services/engine")
