@@ -128,6 +128,12 @@ class LLMEngine:
         """Run one step; returns the outputs of requests that got a token (finished ones last time)."""
         out = self.scheduler.schedule()
         if out is None:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # Nothing runs, so nothing will ever free a block: waiting would hang forever.
+                raise RuntimeError(
+                    f"the KV pool cannot fit request {self.scheduler.waiting[0].request_id!r} even "
+                    f"with nothing running ({self.block_manager.num_free_blocks} of "
+                    f"{self.block_manager.num_blocks} blocks free; the rest are pinned by exports)")
             return []
         result = self.runner.execute(out)
         seqs = {c.request_id: self._states[c.request_id].seq for c in out.chunks

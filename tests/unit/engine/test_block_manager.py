@@ -17,6 +17,14 @@ def finish_prefill(bm, s):
     bm.cache_full_blocks(s)
 
 
+def prefilled(bm, tokens, rid="a"):
+    """A sequence whose prompt is computed and whose full blocks are in the prefix cache."""
+    s = seq(tokens, rid)
+    bm.allocate_slots(s, len(s))
+    finish_prefill(bm, s)
+    return s
+
+
 def test_allocate_and_free_returns_every_block():
     bm = BlockManager(8, 4, ROOT)
     s = seq(range(10))
@@ -73,19 +81,14 @@ def test_freed_cached_blocks_are_reused_lru_tail_first():
 
 def test_different_tokens_never_hit():
     bm = BlockManager(8, 4, ROOT)
-    a = seq(range(9), "a")
-    bm.allocate_slots(a, 9)
-    finish_prefill(bm, a)
+    a = prefilled(bm, range(9))
     assert bm.get_computed_blocks(seq([7] + list(range(1, 9)), "b")) == []
     bm.free(a)
 
 
 def test_pin_keeps_blocks_out_of_the_free_queue():
     bm = BlockManager(4, 4, ROOT)
-    a = seq(range(8), "a")
-    bm.allocate_slots(a, 8)
-    finish_prefill(bm, a)
-    bm.free(a)
+    bm.free(prefilled(bm, range(8)))
     bm.pin([0, 1])
     assert bm.num_free_blocks == 2
     bm.unpin([0, 1])
@@ -94,9 +97,7 @@ def test_pin_keeps_blocks_out_of_the_free_queue():
 
 def test_allocate_cached_skips_known_hashes():
     bm = BlockManager(4, 4, ROOT)
-    a = seq(range(8), "a")
-    bm.allocate_slots(a, 8)
-    finish_prefill(bm, a)
+    a = prefilled(bm, range(8))
     entries = [(a.block_hashes[0], (0, 1, 2, 3)), (b"\x01" * 32, (9, 9, 9, 9))]
     slots = bm.allocate_cached(entries)
     assert slots == [None, 2]

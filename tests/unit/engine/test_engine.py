@@ -89,6 +89,17 @@ def test_export_import_continues_exactly_where_the_first_engine_stopped(tiny_lla
     assert first + out.token_ids == reference
 
 
+def test_pinned_blocks_that_starve_a_request_raise_instead_of_hanging(tiny_llama_dir):
+    small = LLM(str(tiny_llama_dir), num_kv_blocks=8)
+    prompt = random_prompts(1, [100], seed=8)[0]
+    small.generate(prompt, SamplingParams(temperature=0, max_tokens=1))
+    export = small.engine.export_kv(prompt)  # pins 6 of the 8 blocks
+    with pytest.raises(RuntimeError, match="pinned by exports"):
+        small.generate(random_prompts(1, [60], seed=9)[0], GREEDY)
+    small.engine.release(export)
+    assert len(small.generate(random_prompts(1, [60], seed=9)[0], GREEDY)[0].token_ids) == 16
+
+
 def test_stop_token_ids_and_min_tokens(llm):
     prompt = random_prompts(1, [20], seed=6)[0]
     free = llm.generate(prompt, GREEDY)[0].token_ids
@@ -96,6 +107,9 @@ def test_stop_token_ids_and_min_tokens(llm):
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_at]))[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_at
     assert out.token_ids == free[:free.index(stop_at) + 1]
+    late = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_at],
+                                               min_tokens=6))[0]
+    assert len(late.token_ids) >= 6 and stop_at not in late.token_ids[:6]
 
 
 def test_logprobs_are_returned_per_token(llm):
