@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--min-len", type=int, default=50)
     parser.add_argument("--max-len", type=int, default=1000)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     args = parser.parse_args()
 
     import transformers
