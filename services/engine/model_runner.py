@@ -49,12 +49,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device, self.dtype = device, dtype
         self.eos_token_ids = tuple(eos_token_ids)
-        with torch.device("meta"):
-            model = LlamaForCausalLM(cfg)
-        # Built on "meta" so no memory is spent on a random init that the weights overwrite.
-        model = model.to_empty(device=device)
+        # Built uninitialised on the CPU (no random init to pay for), filled, then moved.
+        model = LlamaForCausalLM(cfg)
         model.load_weights(weights)
-        self.model = model.to(dtype).eval()
+        self.model = model.to(device=device, dtype=dtype).eval()
         # After .to(dtype): RoPE frequencies stay fp32 like Hugging Face's.
         self.model.inv_freq = rope_inv_freq(cfg).to(device)
         # Zero-filled, so every page of the pool is touched now rather than mid-request.
