@@ -28,8 +28,6 @@ class EngineConfig:
     """"cpu", "cuda" or "auto" (CUDA when present)."""
     dtype: str = "auto"
     """"float32", "bfloat16", "float16" or "auto" (fp32 on CPU, bf16 on CUDA)."""
-    seed: int = 0
-    """Seeds the RNG of requests that bring no seed of their own."""
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, why: str) -> None:
