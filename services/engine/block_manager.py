@@ -82,11 +82,15 @@ class BlockManager:
         assert not seq.block_table, "only for sequences that hold no blocks"
         if not self.enable_prefix_caching:
             return []
+        max_hit_blocks = (len(seq) - 1) // self.block_size
+        return self.cached_prefix(seq.token_ids, self.update_hashes(seq)[:max_hit_blocks])
+
+    def cached_prefix(self, token_ids: list[int], hashes: list[BlockHash]) -> list[BlockId]:
+        """Cached blocks for the leading ``hashes`` (of ``token_ids``' full blocks), up to the first miss."""
         bs = self.block_size
-        max_hit_blocks = (len(seq) - 1) // bs
         hits: list[BlockId] = []
-        for i, h in enumerate(self.update_hashes(seq)[:max_hit_blocks]):
-            block_id = self.lookup(h, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+        for i, h in enumerate(hashes):
+            block_id = self.lookup(h, tuple(token_ids[i * bs:(i + 1) * bs]))
             if block_id is None:
                 break
             hits.append(block_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from services.engine.model_runner import ModelRunner, kv_block_bytes, resolve_de
 from services.engine.outputs import OutputState, RequestOutput
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import BlockId, FinishReason, RequestId, Sequence
+
+if TYPE_CHECKING:  # the loader (and gguf) is imported only when a model is actually loaded
+    from services.engine.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +129,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs of requests that got a token (finished ones last time)."""
+        """Run one step; returns an output for every request that got a token (finished or not)."""
         out = self.scheduler.schedule()
         if out is None:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -170,16 +174,11 @@ class LLMEngine:
         """Pin and expose the cached full blocks covering the longest prefix of ``token_ids``."""
         bm = self.block_manager
         bs = bm.block_size
-        ids: list[BlockId] = []
-        blocks: list[KVBlock] = []
-        for i, h in enumerate(block_hashes(token_ids, bs, self.root)):
-            toks = tuple(token_ids[i * bs:(i + 1) * bs])
-            block_id = bm.lookup(h, toks)
-            if block_id is None:
-                break
-            ids.append(block_id)
-            blocks.append(KVBlock(h, toks, self.runner.block_view(block_id)))
+        hashes = block_hashes(token_ids, bs, self.root)
+        ids = bm.cached_prefix(token_ids, hashes)
         bm.pin(ids)
+        blocks = [KVBlock(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]), self.runner.block_view(block_id))
+                  for i, block_id in enumerate(ids)]
         return KVExport(blocks, ids)
 
     def release(self, export: KVExport) -> None:
