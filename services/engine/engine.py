@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,13 +19,11 @@ from services.common.errors import InvalidRequestError, PromptTooLongError
 from services.common.sampling_params import SamplingParams
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
+from services.engine.models.loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
 from services.engine.outputs import OutputState, RequestOutput
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import BlockId, FinishReason, RequestId, Sequence
-
-if TYPE_CHECKING:  # the loader (and gguf) is imported only when a model is actually loaded
-    from services.engine.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +51,9 @@ class KVExport:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, loaded: "LoadedModel | None" = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
         self.config = config = config or EngineConfig()
-        if loaded is None:
-            from services.engine.models.loader import load_model
-            loaded = load_model(config.model)
+        loaded = loaded or load_model(config.model)
         self.model_config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
         device = resolve_device(config.device)

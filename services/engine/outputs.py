@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from services.engine.sampler import TokenLogprobs
 from services.engine.sequence import FinishReason, RequestId, Sequence
-
-if TYPE_CHECKING:
-    from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass
@@ -37,15 +34,14 @@ class OutputState:
 
     seq: Sequence
     prompt: str | None
-    detokenizer: "IncrementalDetokenizer | None"
+    detokenizer: IncrementalDetokenizer | None
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @classmethod
-    def create(cls, seq: Sequence, prompt: str | None, tokenizer: "Tokenizer | None") -> "OutputState":
+    def create(cls, seq: Sequence, prompt: str | None, tokenizer: Tokenizer | None) -> "OutputState":
         detok = None
         if tokenizer is not None:
-            from services.engine.tokenizer import IncrementalDetokenizer
             detok = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids,
                                            skip_special_tokens=seq.params.skip_special_tokens)
         return cls(seq, prompt, detok)
