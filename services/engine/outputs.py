@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.text import TextState
+from services.common.tokenizer import Tokenizer
 from services.engine.sampler import TokenLogprobs
 from services.engine.sequence import FinishReason, RequestId, Sequence
-from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass
@@ -34,47 +35,30 @@ class OutputState:
 
     seq: Sequence
     prompt: str | None
-    detokenizer: IncrementalDetokenizer | None
-    text: str = ""
+    text_state: TextState | None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @classmethod
     def create(cls, seq: Sequence, prompt: str | None, tokenizer: Tokenizer | None) -> "OutputState":
-        detok = None
+        text_state = None
         if tokenizer is not None:
-            detok = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids,
-                                           skip_special_tokens=seq.params.skip_special_tokens)
-        return cls(seq, prompt, detok)
+            text_state = TextState(tokenizer, seq.prompt_token_ids, seq.params.stop,
+                                   skip_special_tokens=seq.params.skip_special_tokens)
+        return cls(seq, prompt, text_state)
+
+    @property
+    def text(self) -> str:
+        return self.text_state.text if self.text_state is not None else ""
 
     def add_token(self, token_id: int, logprobs: TokenLogprobs | None) -> str | None:
         """Append a token's text; returns the stop string that matched, if any."""
         if logprobs is not None:
             self.logprobs.append(logprobs)
-        if self.detokenizer is None:
-            return None
-        delta = self.detokenizer.add(token_id)
-        stops = self.seq.params.stop
-        if not stops or not delta:
-            self.text += delta
-            return None
-        # A stop string can straddle the previous text and this delta: search only the tail.
-        search_from = max(0, len(self.text) - max(len(s) for s in stops) + 1)
-        self.text += delta
-        best: tuple[int, str] | None = None
-        for stop in stops:
-            index = self.text.find(stop, search_from)
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
-        if best is None:
-            return None
-        self.text = self.text[:best[0]]
-        return best[1]
+        return None if self.text_state is None else self.text_state.add(token_id)
 
     def finish(self) -> None:
-        """Take what the detokenizer still holds (bytes that never became a character)."""
-        stopped_by_string = isinstance(self.seq.stop_reason, str)  # the text was cut there
-        if self.detokenizer is not None and not stopped_by_string:
-            self.text += self.detokenizer.flush()
+        if self.text_state is not None:
+            self.text_state.finish()
 
     def to_output(self) -> RequestOutput:
         seq = self.seq

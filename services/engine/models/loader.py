@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from services.common.errors import ModelNotFoundError
 from services.engine.models.config import ModelConfig
-from services.engine.tokenizer import Tokenizer
+from services.common.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import pytest
 from services.common.errors import InvalidRequestError
 from services.engine.models.gguf_file import GGUFFile, build_byte_level_bpe
 from services.engine.models.loader import default_gguf_path
-from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from services.common.tokenizer import IncrementalDetokenizer, Tokenizer
 
 STRINGS = [
     "Hello, world!",
