@@ -6,7 +6,7 @@ import weakref
 
 import pytest
 
-from tests.factories import make_tiny_model_dir
+from tests.factories import make_tiny_chat_model_dir, make_tiny_model_dir
 
 _engines: "weakref.WeakSet" = weakref.WeakSet()
 
@@ -19,6 +19,19 @@ def tiny_llama_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The default model converted to a Hugging Face directory (once per machine, then cached)."""
+    from services.engine.models.loader import load_model
+    return load_model(None).path
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory, smollm2_dir):
+    """A tiny random Llama with SmolLM2's tokenizer and chat template (fast, but speaks text)."""
+    return make_tiny_chat_model_dir(tmp_path_factory.mktemp("tiny-chat"), smollm2_dir)
 
 
 @pytest.fixture(scope="session", autouse=True)
