@@ -59,6 +59,6 @@ def no_leaked_blocks():
     yield
     for engine in list(_engines):
         bm = engine.block_manager
-        assert not engine.has_unfinished_requests(), "a request was left in the engine"
+        assert not engine.has_unfinished_requests() and not engine._states, "a request was left in the engine"
         assert bm.num_free_blocks == bm.num_blocks, (
             f"{bm.num_blocks - bm.num_free_blocks} KV blocks still held after the test")

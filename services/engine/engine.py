@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +25,7 @@ from services.engine.models.loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
 from services.engine.outputs import OutputState, RequestOutput
 from services.engine.scheduler import Scheduler
-from services.engine.sequence import BlockId, FinishReason, RequestId, Sequence
+from services.engine.sequence import BlockId, FinishReason, RequestId, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,34 @@ class KVBlock:
 
 
 @dataclass
+class Handoff:
+    """A request detached after its first token(s), its prompt's KV blocks still held here.
+
+    ``block_ids`` hold the KV of the first ``num_tokens`` tokens (the prompt; the last block
+    may be partial). They stay allocated until :meth:`LLMEngine.release_handoff`.
+    """
+
+    request_id: RequestId
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    block_ids: list[BlockId]
+    num_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class KVReservation:
+    """Blocks reserved for a request whose prompt KV arrives from another engine.
+
+    ``block_ids`` cover the prompt in order; the first ``num_local_blocks`` already hold the
+    right KV (local prefix-cache hits), the rest must be filled before :meth:`LLMEngine.commit_kv`.
+    """
+
+    block_ids: list[BlockId]
+    num_local_blocks: int
+
+
+@dataclass
 class KVExport:
     """Full blocks of a prompt pinned in the exporting engine until :meth:`LLMEngine.release`."""
 
@@ -51,7 +81,10 @@ class KVExport:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 kv_allocator: Callable[[int], object] | None = None) -> None:
+        """``kv_allocator(num_bytes)`` returns a writable host buffer for the KV pool (a memory
+        region the transfer engine registers); by default the pool is private memory."""
         self.config = config = config or EngineConfig()
         loaded = loaded or load_model(config.model)
         self.model_config = cfg = loaded.config
@@ -68,8 +101,13 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, bs, self.root, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len, eos)
-        self.runner = ModelRunner(cfg, loaded.weights, num_blocks, bs, device, dtype, eos)
+        kv_buffer = kv_allocator(num_blocks * kv_block_bytes(cfg, bs, dtype)) if kv_allocator else None
+        self.runner = ModelRunner(cfg, loaded.weights, num_blocks, bs, device, dtype, eos, kv_buffer)
+        self.kv_block_bytes = kv_block_bytes(cfg, bs, dtype)
         self._states: dict[RequestId, OutputState] = {}
+        self.last_step_num_tokens = 0
+        self._held: dict[RequestId, Sequence] = {}
+        """Requests added with ``hold_for_kv``: not scheduled until their KV is committed."""
         self._ids = itertools.count()
         logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
                     cfg.name, device, dtype, num_blocks, bs, self.max_model_len)
@@ -104,20 +142,43 @@ class LLMEngine:
         return token_ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None) -> RequestId:
+                    request_id: str | None = None, output_token_ids: Sequence_[int] = (),
+                    hold_for_kv: bool = False) -> RequestId:
+        """Queue a request. ``output_token_ids``: tokens another engine already generated for
+        it (this engine continues after them). ``hold_for_kv``: its prompt KV will arrive from
+        another engine (:meth:`reserve_kv`, :meth:`commit_kv`), so it is not scheduled yet."""
         token_ids = self.validate(prompt, params)
         rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
         if rid in self._states:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
+        outputs = list(output_token_ids)
+        if not all(isinstance(t, int) and 0 <= t < self.model_config.vocab_size for t in outputs):
+            raise InvalidRequestError("output token ids must be integers inside the vocabulary")
+        if len(token_ids) + len(outputs) >= self.max_model_len or len(outputs) >= params.max_tokens:
+            raise InvalidRequestError(
+                f"{len(outputs)} output tokens already exist: nothing is left to generate")
         seq = Sequence(rid, token_ids, params)
-        self._states[rid] = OutputState.create(seq, prompt if isinstance(prompt, str) else None,
-                                               self.tokenizer)
-        self.scheduler.add(seq)
+        state = OutputState.create(seq, prompt if isinstance(prompt, str) else None, self.tokenizer)
+        for token_id in outputs:
+            seq.token_ids.append(token_id)
+            state.add_token(token_id, None)
+        self._states[rid] = state
+        if hold_for_kv:
+            self._held[rid] = seq
+        else:
+            self.scheduler.add(seq)
         return rid
 
     def abort_request(self, request_id: str) -> None:
         state = self._states.pop(RequestId(request_id), None)
-        if state is not None:
+        if state is None:
+            return
+        held = self._held.pop(state.seq.request_id, None)
+        if held is not None:
+            self.block_manager.free(held)
+            held.status = SequenceStatus.FINISHED
+            held.finish_reason = FinishReason.ABORT
+        else:
             self.scheduler.finish(state.seq, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
@@ -134,6 +195,7 @@ class LLMEngine:
                     f"with nothing running ({self.block_manager.num_free_blocks} of "
                     f"{self.block_manager.num_blocks} blocks free; the rest are pinned by exports)")
             return []
+        self.last_step_num_tokens = out.num_tokens
         result = self.runner.execute(out)
         seqs = {c.request_id: self._states[c.request_id].seq for c in out.chunks
                 if c.request_id in self._states}
@@ -165,6 +227,48 @@ class LLMEngine:
             self.block_manager.free(seq)
 
     # ----- the disaggregation seam -------------------------------------------------------
+    def detach(self, request_id: str) -> Handoff:
+        """Take a running request that has sampled its first token out of this engine, keeping
+        its prompt KV for another engine to read; free it with :meth:`release_handoff`."""
+        state = self._states.pop(RequestId(request_id))
+        seq = state.seq
+        assert seq.num_computed_tokens == seq.num_prompt_tokens and seq.num_output_tokens >= 1, seq
+        block_ids = self.scheduler.detach(seq)
+        return Handoff(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, block_ids,
+                       seq.num_computed_tokens, seq.num_cached_tokens)
+
+    def release_handoff(self, handoff: Handoff) -> None:
+        self.block_manager.unpin(handoff.block_ids)
+        handoff.block_ids = []
+
+    def reserve_kv(self, request_id: str) -> KVReservation | None:
+        """Blocks for a held request's prompt KV (local prefix hits first); None: no room now."""
+        seq = self._held[RequestId(request_id)]
+        assert not seq.block_table
+        hits = self.block_manager.get_computed_blocks(seq)
+        num_new = seq.num_prompt_tokens - len(hits) * self.block_manager.block_size
+        if self.block_manager.allocate_slots(seq, num_new, hits) is None:
+            return None
+        return KVReservation(list(seq.block_table), len(hits))
+
+    def commit_kv(self, request_id: str, num_cached_tokens: int = 0) -> None:
+        """The reserved blocks now hold the prompt's KV: start generating."""
+        seq = self._held.pop(RequestId(request_id))
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_cached_tokens = num_cached_tokens
+        self.block_manager.cache_full_blocks(seq)
+        self.scheduler.add_computed(seq)
+
+    def recompute_kv(self, request_id: str) -> None:
+        """The prompt's KV could not be read: compute it here instead (same tokens, slower)."""
+        seq = self._held.pop(RequestId(request_id))
+        self.block_manager.free(seq)
+        self.scheduler.add(seq)
+
+    def block_buffer(self, block_id: BlockId) -> torch.Tensor:
+        """One block's KV bytes in the pool (contiguous), what a transfer reads or writes."""
+        return self.runner.block_view(block_id).view(torch.uint8).view(-1)
+
     def export_kv(self, token_ids: list[int]) -> KVExport:
         """Pin and expose the cached full blocks covering the longest prefix of ``token_ids``."""
         bm = self.block_manager

@@ -44,7 +44,7 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], num_blocks: int,
                  block_size: int, device: torch.device, dtype: torch.dtype,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), kv_buffer=None) -> None:
         self.cfg = cfg
         self.block_size = block_size
         self.device, self.dtype = device, dtype
@@ -55,9 +55,16 @@ class ModelRunner:
         self.model = model.to(device=device, dtype=dtype).eval()
         # After .to(dtype): RoPE frequencies stay fp32 like Hugging Face's.
         self.model.inv_freq = rope_inv_freq(cfg).to(device)
-        # Zero-filled, so every page of the pool is touched now rather than mid-request.
-        self.kv_cache = torch.zeros(num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads,
-                                    cfg.head_dim, dtype=dtype, device=device)
+        shape = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+        if kv_buffer is not None:
+            # A registered memory region (shared memory the transfer engine reads one-sided):
+            # the pool is a view of it, already touched by its allocator.
+            assert device.type == "cpu", "an external KV buffer is host memory"
+            self.kv_cache = torch.frombuffer(kv_buffer, dtype=torch.uint8)[
+                :num_blocks * kv_block_bytes(cfg, block_size, dtype)].view(dtype).view(shape)
+        else:
+            # Zero-filled, so every page of the pool is touched now rather than mid-request.
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self._gather_buffer = self.kv_cache.new_empty((2, 0) + tuple(self.kv_cache.shape[3:]))
         self.sampler = Sampler()
         self._generators: dict[RequestId, torch.Generator] = {}
@@ -106,6 +113,10 @@ class ModelRunner:
             generator = self._generators.get(chunk.request_id)
             if generator is None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed)
+                # A request resumed here after another engine sampled its first tokens: advance
+                # the stream past their draws (one per token) so the next token is the same.
+                for _ in chunk.output_token_ids:
+                    torch.rand(1, generator=generator, device=generator.device)
                 self._generators[chunk.request_id] = generator
         suppressed: tuple[int, ...] = ()
         if len(chunk.output_token_ids) < params.min_tokens:

@@ -178,6 +178,24 @@ class Scheduler:
             self._release(seq)
         seq.status = SequenceStatus.FINISHED
 
+    # ----- the disaggregation seam -------------------------------------------------------
+    def detach(self, seq: Sequence) -> list[BlockId]:
+        """Take a running sequence out of this engine, keeping its blocks; returns them.
+
+        The caller owns the returned blocks (one reference each) until it frees them.
+        """
+        self.running.remove(seq)
+        blocks, seq.block_table = seq.block_table, []
+        seq.status = SequenceStatus.FINISHED
+        self._finished_ids.append(seq.request_id)
+        return blocks
+
+    def add_computed(self, seq: Sequence) -> None:
+        """Run a sequence whose blocks already hold the KV of its first num_computed_tokens."""
+        assert seq.block_table and seq.num_computed_tokens < len(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def _release(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)

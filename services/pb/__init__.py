@@ -1,0 +1,1 @@
+"""Generated gRPC stubs (see generate.py); never edit by hand."""

@@ -1,0 +1,83 @@
+"""The engine thread behind the services: streams, early close, hand-off, a dead engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.engine import LLM, SamplingParams
+from services.engine.async_engine import AsyncEngine, EngineDeadError
+from services.engine.engine import Handoff
+from tests.factories import random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), num_kv_blocks=128)
+
+
+async def collect(stream) -> list:
+    return [item async for item in stream]
+
+
+def test_concurrent_streams_equal_offline_generate(llm):
+    prompts = random_prompts(4, [5, 40, 100, 17], seed=2)
+    expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+    async def main():
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        try:
+            streams = [await engine.add(p, GREEDY, f"s{i}") for i, p in enumerate(prompts)]
+            results = await asyncio.gather(*(collect(s) for s in streams))
+        finally:
+            await engine.stop()
+        return [r[-1].token_ids for r in results], [len(r) for r in results]
+
+    tokens, counts = asyncio.run(main())
+    assert tokens == expected and counts == [8] * 4
+
+
+def test_closing_a_stream_aborts_and_detach_hands_off(llm):
+    async def main():
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        try:
+            stream = await engine.add(random_prompts(1, [50])[0], SamplingParams(max_tokens=1000, ignore_eos=True), "a")
+            await stream.__anext__()
+            await stream.aclose()
+            handoff_stream = await engine.add(random_prompts(1, [40])[0], GREEDY, "b",
+                                              detach_after_first_token=True)
+            items = await collect(handoff_stream)
+            assert isinstance(items[-1], Handoff) and items[-1].num_tokens == 40
+            await engine.call(llm.engine.release_handoff, items[-1])
+            # A hand-off whose reader left before reading it is released by the engine.
+            orphan = await engine.add(random_prompts(1, [40])[0], GREEDY, "c", detach_after_first_token=True)
+            await asyncio.sleep(0.5)
+            await orphan.aclose()
+            await engine.call(lambda: None)
+            await engine.call(lambda: None)
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())  # the autouse fixture asserts every block is free
+
+
+def test_a_failing_step_fails_every_stream(llm, monkeypatch):
+    async def main():
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        monkeypatch.setattr(llm.engine, "step", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+        stream = await engine.add([5, 6, 7], GREEDY, "x")
+        with pytest.raises(EngineDeadError):
+            await collect(stream)
+        with pytest.raises(EngineDeadError):
+            await engine.add([5, 6, 7], GREEDY, "y")
+        await engine.stop()
+        monkeypatch.undo()
+        llm.engine.abort_request("x")
+
+    asyncio.run(main())
