@@ -2,7 +2,20 @@
 
 Bugs are asserts / RuntimeError, "no room" is a ``None`` return value, a dead engine exits
 non-zero. Everything a client can cause derives from :class:`EPDError` and carries the HTTP
-status it maps to, so every front door reports it the same way.
+status and the gRPC status it maps to, so every front door reports it the same way. The class
+attributes below are the one table: ``services/common/grpc_errors.py`` reads ``grpc_status`` on the
+server side (raise → status) and inverts it on the client side (status → the same class).
+
+=========================  ===========  ===================  =========
+class                      HTTP status  gRPC status          retryable
+=========================  ===========  ===================  =========
+EPDError (anything else)   500          INTERNAL             no
+InvalidRequestError        400          INVALID_ARGUMENT     no
+PromptTooLongError         400          INVALID_ARGUMENT     no
+ModelNotFoundError         404          NOT_FOUND            no
+UnavailableError           503          UNAVAILABLE          yes
+DeadlineExceededError      504          DEADLINE_EXCEEDED    no
+=========================  ===========  ===================  =========
 """
 
 from __future__ import annotations
@@ -12,12 +25,17 @@ class EPDError(Exception):
     """A failure that belongs to one request, not to the process."""
 
     http_status: int = 500
+    grpc_status: str = "INTERNAL"
+    """A ``grpc.StatusCode`` member name (a string, so this module needs no grpc)."""
+    retryable: bool = False
+    """Whether sending the same request again (to this or another instance) may succeed."""
 
 
 class InvalidRequestError(EPDError, ValueError):
     """The request itself is malformed: bad sampling values, empty prompt, ..."""
 
     http_status = 400
+    grpc_status = "INVALID_ARGUMENT"
 
 
 class PromptTooLongError(InvalidRequestError):
@@ -30,3 +48,19 @@ class ModelNotFoundError(EPDError, FileNotFoundError):
     """The model name or path does not resolve to weights we can load."""
 
     http_status = 404
+    grpc_status = "NOT_FOUND"
+
+
+class UnavailableError(EPDError):
+    """The instance cannot take the request now: it is draining, overloaded or unreachable."""
+
+    http_status = 503
+    grpc_status = "UNAVAILABLE"
+    retryable = True
+
+
+class DeadlineExceededError(EPDError):
+    """The request ran out of time (a client deadline, a KV transfer that never arrived, ...)."""
+
+    http_status = 504
+    grpc_status = "DEADLINE_EXCEEDED"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.errors import InvalidRequestError
+from services.common.config import check
 
 
 @dataclass(frozen=True)
@@ -30,10 +30,6 @@ class EngineConfig:
     """"float32", "bfloat16", "float16" or "auto" (fp32 on CPU, bf16 on CUDA)."""
 
     def __post_init__(self) -> None:
-        def check(ok: bool, name: str, why: str) -> None:
-            if not ok:
-                raise InvalidRequestError(f"engine config {name}={getattr(self, name)!r}: {why}")
-
         check(self.block_size > 0, "block_size", "must be > 0")
         check(self.kv_cache_gib > 0, "kv_cache_gib", "must be > 0")
         check(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks", "must be > 0")
