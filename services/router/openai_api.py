@@ -1,0 +1,301 @@
+"""OpenAI protocol <-> GenerateRequest / GenerateChunk: the pure core behind the HTTP routes.
+
+Supported (``POST /v1/chat/completions`` and ``POST /v1/completions``):
+
+* ``model``: the backend's model name or any ``--served-model-name``; omitted means the backend's
+  model; anything else is a 404.
+* Chat ``messages``: roles ``system``, ``user``, ``assistant`` and ``developer`` (rendered as
+  ``system``); any other role (``tool`` included) is a 400 naming it. ``content`` is a string, null,
+  or a list of parts: ``{"type": "text", "text": ...}`` and, for a model that takes images,
+  ``{"type": "image_url", "image_url": {"url": "data:image/<fmt>;base64,..."}}`` (data URIs only;
+  the router fetches nothing). Parts are joined with "\\n" (as vLLM does); each image becomes one
+  placeholder token that the encoder side expands. The prompt is the tokenizer's chat template
+  with the generation prompt, encoded with special tokens spelled in it mapped to their ids.
+* Completions ``prompt``: a string (encoded with the tokenizer's special tokens added, as
+  Hugging Face and vLLM do) or a list of token ids; a list of exactly one of either is accepted.
+* Sampling: ``temperature``, ``top_p``, ``seed``, ``stop`` (string or list), ``presence_penalty``,
+  ``frequency_penalty``, ``max_tokens`` (chat also ``max_completion_tokens``, which wins), and the
+  vLLM-style extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+  ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``. ``max_tokens`` defaults to the rest
+  of the context (``max_model_len - prompt tokens``), for completions too (OpenAI's default is 16).
+* ``stream``, with ``stream_options.include_usage``; ``n`` = 1; ``user`` (ignored).
+* ``finish_reason`` is ``stop`` for EOS, a stop string or a stop token id (none of which appear in
+  the text), ``length`` for ``max_tokens`` or the end of the context.
+
+Not supported yet, rejected with a 400 that says so: ``n`` > 1, chat ``logprobs: true`` or any
+``top_logprobs``, completions ``logprobs``, ``echo: true``, ``suffix``, ``best_of`` > 1, several
+prompts in one completions request, non-empty ``tools`` / ``functions``, ``tool_choice`` /
+``function_call`` other than ``"none"``, ``response_format`` other than ``{"type": "text"}``, and a
+non-empty ``logit_bias``. Fields the API does not define are ignored.
+
+Errors use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``: 400 for any bad
+input (malformed JSON and schema errors included, with the field named), 404 for an unknown model,
+503 when the backend aborts a request, 500 for bugs. A prompt that does not fit the context is a
+400 with code ``context_length_exceeded`` that gives the numbers.
+"""
+
+from __future__ import annotations
+
+import binascii
+import re
+import secrets
+from dataclasses import dataclass
+
+from services.common.errors import (EPDError, InvalidRequestError, ModelNotFoundError, PromptTooLongError,
+                                    UnavailableError)
+from services.common.sampling_params import SamplingParams
+from services.common.text import TextState
+from services.common.tokenizer import Tokenizer
+from services.router.backend import GenerateChunk, GenerateRequest
+from services.router.openai_models import (ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                           SamplingFields, usage_body)
+
+_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "developer": "system"}
+_DATA_URI = re.compile(r"data:image/[\w.+-]+;base64,(?P<data>.*)", re.DOTALL)
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error",
+                504: "timeout_error"}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None,
+            cls: type[InvalidRequestError] = InvalidRequestError) -> InvalidRequestError:
+    """An InvalidRequestError carrying OpenAI's ``param`` / ``code`` for the error body."""
+    exc = cls(message)
+    exc.param, exc.code = param, code
+    return exc
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    error_type = _ERROR_TYPES.get(status, "internal_server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def epd_error_body(exc: EPDError) -> dict:
+    param = getattr(exc, "param", None)
+    if param is None and (match := re.match(r"(\w+)=", str(exc))):  # SamplingParams names the field so
+        param = match.group(1)
+    return error_body(exc.http_status, str(exc), param, getattr(exc, "code", None))
+
+
+def check_model(requested: str | None, accepted: list[str]) -> None:
+    if requested is not None and requested not in accepted:
+        raise invalid(f"model {requested!r} does not exist; this server serves {accepted}",
+                      "model", "model_not_found", ModelNotFoundError)
+
+
+def _reject_unsupported(body: SamplingFields) -> None:
+    if body.n is not None and body.n != 1:
+        raise invalid(f"n={body.n} is not supported yet: only one choice per request (n=1)", "n")
+    if body.logit_bias:
+        raise invalid("logit_bias is not supported yet", "logit_bias")
+
+
+def check_chat_supported(body: ChatCompletionRequest) -> None:
+    _reject_unsupported(body)
+    if body.logprobs or body.top_logprobs is not None:
+        raise invalid("logprobs / top_logprobs are not supported yet", "logprobs")
+    for name in ("tools", "functions"):
+        if getattr(body, name):
+            raise invalid(f"{name} are not supported yet (tool calling comes later)", name)
+    for name in ("tool_choice", "function_call"):
+        if getattr(body, name) not in (None, "none"):
+            raise invalid(f"{name} is not supported yet (tool calling comes later)", name)
+    if body.response_format is not None and body.response_format != {"type": "text"}:
+        raise invalid("response_format is not supported yet: only {\"type\": \"text\"}", "response_format")
+
+
+def check_completion_supported(body: CompletionRequest) -> None:
+    _reject_unsupported(body)
+    if body.logprobs is not None:
+        raise invalid("logprobs is not supported yet", "logprobs")
+    if body.echo:
+        raise invalid("echo is not supported yet", "echo")
+    if body.suffix:
+        raise invalid("suffix is not supported yet", "suffix")
+    if body.best_of is not None and body.best_of != 1:
+        raise invalid(f"best_of={body.best_of} is not supported yet: only 1", "best_of")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: tuple[int, ...]
+    images: tuple[str, ...] = ()
+    image_positions: tuple[int, ...] = ()
+
+
+def _check_image_uri(url: str, param: str) -> str:
+    match = _DATA_URI.fullmatch(url)
+    if match is None:
+        raise invalid(f"{param}: only data:image/<format>;base64,... URIs are accepted (the router "
+                      f"fetches no URLs); got {url[:40]!r}", param)
+    try:
+        binascii.a2b_base64(match.group("data"), strict_mode=True)
+    except binascii.Error as exc:
+        raise invalid(f"{param}: the image's base64 data does not decode ({exc})", param) from None
+    return url
+
+
+def _render_content(message: ChatMessage, where: str, image_token_id: int | None,
+                    images: list[str], marker: str) -> str:
+    """The message's content as one string, each image part replaced by ``marker``."""
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    pieces = []
+    for i, part in enumerate(message.content):
+        param = f"{where}.content[{i}]"
+        if part.type == "text":
+            if part.text is None:
+                raise invalid(f"{param}: a text part needs \"text\"", param)
+            pieces.append(part.text)
+            continue
+        if image_token_id is None:
+            raise invalid(f"{param}: this model takes no images", param)
+        if part.image_url is None:
+            raise invalid(f"{param}: an image_url part needs \"image_url\": {{\"url\": ...}}", param)
+        images.append(_check_image_uri(part.image_url.url, f"{param}.image_url.url"))
+        pieces.append(marker)
+    return "\n".join(pieces)
+
+
+def chat_prompt(messages: list[ChatMessage], tokenizer: Tokenizer, image_token_id: int | None) -> Prompt:
+    if not messages:
+        raise invalid("messages must not be empty", "messages")
+    # A fresh random marker per request, so no user text can pose as an image.
+    marker = f"<|epd_image_{secrets.token_hex(8)}|>"
+    images: list[str] = []
+    rendered = []
+    for i, message in enumerate(messages):
+        if message.role not in _ROLES:
+            raise invalid(f"messages[{i}].role {message.role!r} is not supported "
+                          f"(use one of {sorted(_ROLES)})", f"messages[{i}].role")
+        content = _render_content(message, f"messages[{i}]", image_token_id, images, marker)
+        rendered.append({"role": _ROLES[message.role], "content": content})
+    pieces = tokenizer.apply_chat_template(rendered, add_generation_prompt=True).split(marker)
+    if len(pieces) != len(images) + 1:
+        raise invalid(f"the chat template rendered {len(pieces) - 1} of the {len(images)} images", "messages")
+    token_ids: list[int] = []
+    positions: list[int] = []
+    for k, piece in enumerate(pieces):
+        if k > 0:
+            positions.append(len(token_ids))
+            token_ids.append(image_token_id)
+        token_ids.extend(tokenizer.encode(piece))
+    if image_token_id is not None and token_ids.count(image_token_id) != len(images):
+        raise invalid("the message text spells the image placeholder token; send images as "
+                      "image_url parts", "messages")
+    return Prompt(tuple(token_ids), tuple(images), tuple(positions))
+
+
+def completion_prompt(prompt: str | list, tokenizer: Tokenizer) -> Prompt:
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise invalid(f"{len(prompt)} prompts in one request are not supported yet: send one "
+                          f"prompt per request", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        token_ids = tokenizer.encode(prompt, add_special_tokens=True)
+    else:
+        bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise invalid(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                          f"[0, {tokenizer.vocab_size})", "prompt")
+        token_ids = list(prompt)
+    if not token_ids:
+        raise invalid("prompt must not be empty", "prompt")
+    return Prompt(tuple(token_ids))
+
+
+def requested_max_tokens(body: SamplingFields) -> tuple[int | None, str]:
+    """The requested output budget and the field it came from; checked before the prompt is built."""
+    value, name = body.max_tokens, "max_tokens"
+    if getattr(body, "max_completion_tokens", None) is not None:
+        value, name = body.max_completion_tokens, "max_completion_tokens"
+    if value is not None and value < 1:
+        raise invalid(f"{name}={value} is invalid: must be an integer >= 1", name)
+    return value, name
+
+
+def sampling_params(body: SamplingFields, num_prompt_tokens: int, max_model_len: int,
+                    prompt_param: str) -> SamplingParams:
+    max_tokens, max_tokens_param = requested_max_tokens(body)
+    if num_prompt_tokens >= max_model_len:
+        raise invalid(f"the prompt is {num_prompt_tokens} tokens, but this model's context is "
+                      f"{max_model_len} tokens and at least one must be left for the output",
+                      prompt_param, "context_length_exceeded", PromptTooLongError)
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is not None and max_tokens > room:
+        raise invalid(f"{max_tokens_param}={max_tokens} plus the prompt's {num_prompt_tokens} tokens "
+                      f"is {max_tokens + num_prompt_tokens} tokens, more than this model's context of "
+                      f"{max_model_len}; ask for at most {room}",
+                      max_tokens_param, "context_length_exceeded", PromptTooLongError)
+    optional = {name: getattr(body, name) for name in
+                ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty") if getattr(body, name) is not None}
+    return SamplingParams(
+        max_tokens=room if max_tokens is None else max_tokens, stop=body.stop or (),
+        stop_token_ids=tuple(body.stop_token_ids or ()), min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens, **optional)
+
+
+def generate_request(request_id: str, prompt: Prompt, params: SamplingParams) -> GenerateRequest:
+    return GenerateRequest(request_id, prompt.token_ids, params, prompt.images, prompt.image_positions)
+
+
+class OutputText:
+    """One request's output as chunks arrive: the text a client may be sent, and the usage.
+
+    The router detokenizes with the same :class:`TextState` the engine uses, so a stop string is
+    found here too; the caller then stops reading (and closes the backend iterator).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, request: GenerateRequest) -> None:
+        params = request.params
+        self._state = TextState(tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens)
+        # The token that ended a request on EOS / a stop token id is counted but not shown.
+        self._ending_ids = frozenset((*tokenizer.eos_token_ids, *params.stop_token_ids))
+        self.num_sent_chars = 0
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_cached_tokens = 0
+        self.num_output_tokens = 0
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+
+    @property
+    def text(self) -> str:
+        return self._state.text
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, chunk: GenerateChunk) -> str:
+        """Feed one chunk; returns the text that became safe to send (all of it once finished)."""
+        assert not self.is_finished, "a chunk arrived after the request finished"
+        if chunk.finish_reason == "abort":
+            raise UnavailableError("the backend aborted the request; retry it")
+        self.num_prompt_tokens, self.num_cached_tokens = chunk.num_prompt_tokens, chunk.num_cached_tokens
+        token_ids = chunk.token_ids
+        hide_last = (chunk.finish_reason == "stop" and not isinstance(chunk.stop_reason, str)
+                     and token_ids and token_ids[-1] in self._ending_ids)
+        for i, token_id in enumerate(token_ids):
+            self.num_output_tokens += 1
+            self.token_ids.append(token_id)
+            if hide_last and i == len(token_ids) - 1:
+                break
+            if (stop := self._state.add(token_id)) is not None:
+                self.finish_reason, self.stop_reason = "stop", stop
+                return self._take(len(self.text))
+        if chunk.finish_reason is not None:
+            self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
+            self._state.finish()
+            return self._take(len(self.text))
+        return self._take(self._state.num_safe_chars)
+
+    def _take(self, end: int) -> str:
+        delta = self.text[self.num_sent_chars:end]
+        self.num_sent_chars = max(self.num_sent_chars, end)
+        return delta
+
+    def usage(self) -> dict:
+        return usage_body(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
