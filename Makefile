@@ -1,5 +1,5 @@
 # make setup: .venv with every package pinned (idempotent: a stamp skips it when nothing changed)
-# make run:   set-up, then the main job
+# make run:   set-up, then the local cluster (epd up) serving the OpenAI API on 127.0.0.1:8000
 # make test:  set-up, then the whole test suite
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -22,13 +22,14 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(BIN)/epd chat "In one sentence: why is the sky blue?"
+	$(BIN)/epd up
 
 test: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
 	$(BIN)/python benchmarks/engine_throughput.py
+	$(BIN)/python benchmarks/kv_transfer.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

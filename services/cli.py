@@ -1,6 +1,7 @@
 """The ``epd`` command.
 
 Usage:
+    epd up [--prefills N] [--decodes N] [--encoders N] [--port 8000] ...   (the local cluster)
     epd chat "message" [--model M] [--max-tokens N] [--temperature T] [--seed S]
     epd generate "prompt" [--model M] [--max-tokens N] [--temperature T] [--seed S]
 
@@ -21,6 +22,7 @@ from services.common.errors import EPDError
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description="epd: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("up", help="start the local cluster (encoder, prefill, decode, router); see epd up --help")
     for name, help_text in (("chat", "answer one chat message with the model's chat template"),
                             ("generate", "continue a raw text prompt")):
         p = sub.add_parser(name, help=help_text)
@@ -34,6 +36,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["up"]:
+        from services.launcher import main as up
+        return up(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

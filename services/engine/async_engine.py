@@ -25,8 +25,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from services.common.sampling_params import SamplingParams
-from services.engine.engine import Handoff, LLMEngine
+from services.engine.engine import EngineStats, Handoff, LLMEngine
 from services.engine.outputs import RequestOutput
+from services.engine.sequence import MultiModalInput
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,6 +44,8 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self.step_time_samples: deque[tuple[int, float]] = deque(maxlen=num_step_samples)
         """(tokens in the step, seconds) of recent steps: the load reports carry them."""
+        self.stats: EngineStats = engine.stats()
+        """Refreshed by the engine thread after every round of calls and steps."""
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._detach_after_first_token: set[str] = set()
@@ -84,7 +87,8 @@ class AsyncEngine:
 
     async def add(self, prompt: list[int], params: SamplingParams, request_id: str,
                   output_token_ids: tuple[int, ...] = (), hold_for_kv: bool = False,
-                  detach_after_first_token: bool = False) -> "RequestStream":
+                  detach_after_first_token: bool = False,
+                  mm_inputs: tuple[MultiModalInput, ...] = ()) -> "RequestStream":
         """Add a request (see :meth:`LLMEngine.add_request`); its outputs arrive on the stream.
 
         With ``detach_after_first_token`` the request leaves the engine right after its first
@@ -94,7 +98,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         try:
             await self.call(self._add, prompt, params, request_id, output_token_ids, hold_for_kv,
-                            detach_after_first_token)
+                            detach_after_first_token, mm_inputs)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -105,8 +109,8 @@ class AsyncEngine:
         return len(self._streams)
 
     # ----- the engine thread ---------------------------------------------------------------
-    def _add(self, prompt, params, request_id, output_token_ids, hold_for_kv, detach) -> None:
-        self.engine.add_request(prompt, params, request_id, output_token_ids, hold_for_kv)
+    def _add(self, prompt, params, request_id, output_token_ids, hold_for_kv, detach, mm_inputs) -> None:
+        self.engine.add_request(prompt, params, request_id, output_token_ids, hold_for_kv, mm_inputs)
         if detach:
             self._detach_after_first_token.add(request_id)
 
@@ -123,6 +127,7 @@ class AsyncEngine:
                     command()
                 if self.engine.has_unfinished_requests():
                     self._step()
+                self.stats = self.engine.stats()
         except BaseException as exc:  # noqa: BLE001 - a dead engine fails every stream
             logger.exception("engine thread failed")
             self.error = exc

@@ -63,6 +63,7 @@ class BlockManager:
         if (len(seq) // self.block_size) > start:
             parent = seq.block_hashes[-1] if start else None
             seq.block_hashes.extend(block_hashes(seq.token_ids, self.block_size, self.root,
+                                                 seq.block_extra_keys(self.block_size),
                                                  start=start, parent=parent))
         return seq.block_hashes
 

@@ -25,7 +25,8 @@ from services.engine.models.loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
 from services.engine.outputs import OutputState, RequestOutput
 from services.engine.scheduler import Scheduler
-from services.engine.sequence import BlockId, FinishReason, RequestId, Sequence, SequenceStatus
+from services.engine.sequence import (BlockId, FinishReason, MultiModalInput, RequestId, Sequence,
+                                      SequenceStatus)
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,19 @@ class KVReservation:
 
     block_ids: list[BlockId]
     num_local_blocks: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A consistent snapshot of an engine's load (what load reports carry)."""
+
+    num_running: int
+    num_waiting: int
+    num_held: int
+    num_queued_prefill_tokens: int
+    num_kv_tokens_in_use: int
+    num_free_blocks: int
+    num_total_blocks: int
 
 
 @dataclass
@@ -143,7 +157,7 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None, output_token_ids: Sequence_[int] = (),
-                    hold_for_kv: bool = False) -> RequestId:
+                    hold_for_kv: bool = False, mm_inputs: Sequence_[MultiModalInput] = ()) -> RequestId:
         """Queue a request. ``output_token_ids``: tokens another engine already generated for
         it (this engine continues after them). ``hold_for_kv``: its prompt KV will arrive from
         another engine (:meth:`reserve_kv`, :meth:`commit_kv`), so it is not scheduled yet."""
@@ -157,7 +171,8 @@ class LLMEngine:
         if len(token_ids) + len(outputs) >= self.max_model_len or len(outputs) >= params.max_tokens:
             raise InvalidRequestError(
                 f"{len(outputs)} output tokens already exist: nothing is left to generate")
-        seq = Sequence(rid, token_ids, params)
+        self._check_mm_inputs(mm_inputs, len(token_ids))
+        seq = Sequence(rid, token_ids, params, mm_inputs=tuple(mm_inputs))
         state = OutputState.create(seq, prompt if isinstance(prompt, str) else None, self.tokenizer)
         for token_id in outputs:
             seq.token_ids.append(token_id)
@@ -168,6 +183,17 @@ class LLMEngine:
         else:
             self.scheduler.add(seq)
         return rid
+
+    def _check_mm_inputs(self, mm_inputs: Sequence_[MultiModalInput], num_prompt_tokens: int) -> None:
+        hidden = self.model_config.hidden_size
+        for i, m in enumerate(mm_inputs):
+            shape = tuple(getattr(m.embeddings, "shape", ()))
+            if len(shape) != 2 or shape[1] != hidden:
+                raise InvalidRequestError(f"image {i}: embeddings of shape {shape} do not fit the "
+                                          f"model (expected [rows, {hidden}])")
+            if not 0 <= m.position <= num_prompt_tokens - m.num_tokens:
+                raise InvalidRequestError(f"image {i}: positions [{m.position}, {m.position + m.num_tokens})"
+                                          f" fall outside the {num_prompt_tokens}-token prompt")
 
     def abort_request(self, request_id: str) -> None:
         state = self._states.pop(RequestId(request_id), None)
@@ -180,6 +206,15 @@ class LLMEngine:
             held.finish_reason = FinishReason.ABORT
         else:
             self.scheduler.finish(state.seq, FinishReason.ABORT)
+
+    def stats(self) -> EngineStats:
+        sched, bm = self.scheduler, self.block_manager
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting), num_held=len(self._held),
+            num_queued_prefill_tokens=sum(s.num_uncomputed_tokens for s in sched.waiting)
+            + sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1),
+            num_kv_tokens_in_use=sum(s.num_computed_tokens for s in sched.running),
+            num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished

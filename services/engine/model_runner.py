@@ -75,7 +75,8 @@ class ModelRunner:
             self._generators.pop(request_id, None)
         if not out.chunks:
             return ModelRunnerOutput({}, {})
-        hidden = self._forward([(c.start_position, c.token_ids, c.block_table) for c in out.chunks])
+        hidden = self._forward([(c.start_position, c.token_ids, c.block_table) for c in out.chunks],
+                               [c.mm_embeds for c in out.chunks])
         last_rows, rows, ids = [], [], []
         end = 0
         for chunk in out.chunks:
@@ -90,14 +91,23 @@ class ModelRunner:
         result = self.sampler(logits, rows)
         return ModelRunnerOutput(dict(zip(ids, result.token_ids)), dict(zip(ids, result.logprobs)))
 
-    def _forward(self, chunks: list[tuple[int, list[int], list[BlockId]]]) -> torch.Tensor:
+    def _forward(self, chunks: list[tuple[int, list[int], list[BlockId]]],
+                 mm_embeds: list[list[tuple[int, torch.Tensor]]] | None = None) -> torch.Tensor:
         input_ids = torch.tensor([t for _, toks, _ in chunks for t in toks], dtype=torch.long,
                                  device=self.device)
+        inputs_embeds = None
+        if mm_embeds and any(mm_embeds):
+            inputs_embeds = self.model.embed_tokens(input_ids)
+            row = 0
+            for (_, toks, _), pieces in zip(chunks, mm_embeds):
+                for offset, rows in pieces:
+                    inputs_embeds[row + offset:row + offset + len(rows)] = rows.to(inputs_embeds)
+                row += len(toks)
         positions = torch.cat([torch.arange(s, s + len(toks)) for s, toks, _ in chunks]).to(self.device)
         meta = build_metadata([(s, len(toks), table) for s, toks, table in chunks], self.block_size,
                               self.cfg.num_layers, self.device)
         meta.workspace = self._workspace(meta.max_gather_blocks)
-        return self.model(input_ids, positions, self.kv_cache, meta)
+        return self.model(input_ids, positions, self.kv_cache, meta, inputs_embeds)
 
     def _workspace(self, num_blocks: int) -> torch.Tensor:
         """Scratch for gathered K/V, kept across steps and grown by doubling."""

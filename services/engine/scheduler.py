@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.common.sampling_params import SamplingParams
 from services.engine.block_manager import BlockManager
@@ -36,6 +37,8 @@ class ScheduledChunk:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    mm_embeds: list[tuple[int, Any]] = field(default_factory=list)
+    """(offset in token_ids, embedding rows) that replace those tokens' input embeddings."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,7 @@ class Scheduler:
             params=seq.params,
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
+            mm_embeds=seq.mm_slices(start, num_new) if seq.mm_inputs else [],
         )
 
     def _preempt(self, seq: Sequence) -> None:

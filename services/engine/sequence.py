@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import NewType
+from dataclasses import dataclass
+from typing import Any, NewType
 
 from kvstore.hashing import BlockHash
 from services.common.sampling_params import SamplingParams
@@ -39,11 +40,28 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"    # the caller cancelled
 
 
+@dataclass(frozen=True)
+class MultiModalInput:
+    """Embeddings that replace the input embeddings of prompt positions [position, position + rows)."""
+
+    position: int
+    embeddings: Any
+    """[rows, hidden_size] embeddings (any tensor type: this module is framework-free)."""
+    image_hash: str
+    """Hex content hash: an extra key of every block the image touches, so cached prefixes
+    never mix images."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.embeddings)
+
+
 class Sequence:
     def __init__(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None, mm_inputs: tuple[MultiModalInput, ...] = ()) -> None:
         self.request_id = request_id
         self.params = params
+        self.mm_inputs = mm_inputs
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -84,3 +102,23 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def block_extra_keys(self, block_size: int) -> list[tuple[str, ...]] | None:
+        """Per full block, the hashes of the images whose positions fall into it (None: no images)."""
+        if not self.mm_inputs:
+            return None
+        keys: list[tuple[str, ...]] = []
+        for i in range(len(self.token_ids) // block_size):
+            start, end = i * block_size, (i + 1) * block_size
+            keys.append(tuple(m.image_hash for m in self.mm_inputs
+                              if m.position < end and m.position + m.num_tokens > start))
+        return keys
+
+    def mm_slices(self, start: int, num_tokens: int) -> list[tuple[int, Any]]:
+        """(offset in the chunk, embedding rows) of every image overlapping [start, start + num_tokens)."""
+        pieces = []
+        for m in self.mm_inputs:
+            lo, hi = max(start, m.position), min(start + num_tokens, m.position + m.num_tokens)
+            if lo < hi:
+                pieces.append((lo - start, m.embeddings[lo - m.position:hi - m.position]))
+        return pieces

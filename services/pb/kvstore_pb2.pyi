@@ -37,19 +37,13 @@ class BlockDesc(_message.Message):
     def __init__(self, region_id: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("lease_id", "owner", "regions", "blocks", "num_tokens", "block_size", "owner_address")
+    __slots__ = ("lease_id", "owner", "regions", "blocks")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
-    OWNER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     owner: Endpoint
     regions: _containers.RepeatedCompositeFieldContainer[RegionDesc]
     blocks: _containers.RepeatedCompositeFieldContainer[BlockDesc]
-    num_tokens: int
-    block_size: int
-    owner_address: str
-    def __init__(self, lease_id: _Optional[str] = ..., owner: _Optional[_Union[Endpoint, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[RegionDesc, _Mapping]]] = ..., blocks: _Optional[_Iterable[_Union[BlockDesc, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., owner_address: _Optional[str] = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[str] = ..., owner: _Optional[_Union[Endpoint, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[RegionDesc, _Mapping]]] = ..., blocks: _Optional[_Iterable[_Union[BlockDesc, _Mapping]]] = ...) -> None: ...

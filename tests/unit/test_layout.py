@@ -29,8 +29,16 @@ def offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
             if any(name == f or name.startswith(f + ".") for f in forbidden)]
 
 
+ENGINE_SERVICES = ("services.engine", "services.prefill", "services.decode", "services.encoder")
+
+
 @pytest.mark.parametrize("package, forbidden", [
     ("kvstore", ("services",)),
+    ("services/router", ("torch", "triton", *ENGINE_SERVICES)),
+    ("services/engine", ("services.router", "services.prefill", "services.decode", "services.encoder")),
+    ("services/prefill", ("services.router", "services.decode", "services.encoder")),
+    ("services/decode", ("services.router", "services.prefill", "services.encoder")),
+    ("services/encoder", ("services.router", "services.prefill", "services.decode")),
     ("services/common", ("torch", "services.engine", "services.router", "services.prefill",
                          "services.decode", "services.encoder")),
 ])
@@ -43,6 +51,18 @@ def test_scheduling_core_is_torch_free():
     bad = [f"{name} imports {i}" for name in core for i in imports_of(ROOT / "services/engine" / name)
            if i == "torch" or i.startswith("torch.")]
     assert bad == []
+
+
+def test_only_transfer_backends_in_kvstore_touch_torch():
+    bad = [f"{p.relative_to(ROOT)} imports {name}" for p in modules("kvstore") for name in imports_of(p)
+           if (name == "torch" or name.startswith("torch.")) and "transfer" not in p.parts]
+    assert bad == []
+
+
+def test_generated_grpc_stubs_are_fresh():
+    from services.pb.generate import stale_files
+
+    assert stale_files() == [], "run: python -m services.pb.generate"
 
 
 def test_every_package_is_non_empty():

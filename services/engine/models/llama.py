@@ -137,9 +137,10 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Flat batch of tokens -> final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat batch of tokens -> final hidden states [T, hidden]. ``inputs_embeds`` replaces
+        the token embeddings (images spliced in at their placeholder positions)."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(x.dtype)[:, None, :]

@@ -1,0 +1,180 @@
+"""Wire types: one frozen dataclass per protobuf message the services exchange, and the one
+place that converts between them (STYLE rule 1). Services never build protobufs by hand.
+
+KV descriptors are :mod:`kvstore.transfer.descriptors`' dataclasses; their conversions live here
+too, so kvstore stays free of generated code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from kvstore.transfer.descriptors import BlockDesc, Endpoint, KVHandle, RegionDesc
+from services.common.sampling_params import SamplingParams
+from services.pb import common_pb2, kvstore_pb2
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")
+_INT_FIELDS = ("top_k", "max_tokens", "min_tokens")
+
+
+@dataclass(frozen=True)
+class TensorBytes:
+    """A dense tensor as raw little-endian bytes (torch-free: the engines build the tensor)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    image_hash: bytes
+    position: int
+    """Index of the image's first placeholder token in the prompt."""
+    embeddings: TensorBytes
+    """[rows, hidden_size]: one row per placeholder token."""
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    images: tuple[ImageInput, ...] = ()
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    instance_id: str
+    role: str
+    num_running: int = 0
+    num_waiting: int = 0
+    num_queued_prefill_tokens: int = 0
+    num_kv_tokens_in_use: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_leases: int = 0
+    num_patches_in_flight: int = 0
+    step_time_samples_s: tuple[float, ...] = ()
+    is_draining: bool = False
+    num_transfers_in_flight: int = 0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    eos_token_ids: tuple[int, ...]
+    tokenizer_json: str
+    tokenizer_config_json: str
+    image_token_id: int | None
+    hidden_size: int
+
+
+# ----- sampling parameters and requests ----------------------------------------------------
+def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos, skip_special_tokens=params.skip_special_tokens,
+        **{name: getattr(params, name) for name in _FLOAT_FIELDS + _INT_FIELDS})
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg
+
+
+def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        seed=msg.seed if msg.HasField("seed") else None,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        skip_special_tokens=msg.skip_special_tokens,
+        **{name: getattr(msg, name) for name in _FLOAT_FIELDS + _INT_FIELDS})
+
+
+def tensor_to_proto(t: TensorBytes) -> common_pb2.Tensor:
+    return common_pb2.Tensor(shape=list(t.shape), dtype=t.dtype, data=t.data)
+
+
+def tensor_from_proto(msg: common_pb2.Tensor) -> TensorBytes:
+    return TensorBytes(tuple(msg.shape), msg.dtype, msg.data)
+
+
+def spec_to_proto(spec: RequestSpec) -> common_pb2.RequestSpec:
+    return common_pb2.RequestSpec(
+        request_id=spec.request_id, prompt_token_ids=list(spec.prompt_token_ids),
+        params=params_to_proto(spec.params),
+        images=[common_pb2.ImageInput(image_hash=i.image_hash, position=i.position,
+                                      embeddings=tensor_to_proto(i.embeddings)) for i in spec.images])
+
+
+def spec_from_proto(msg: common_pb2.RequestSpec) -> RequestSpec:
+    return RequestSpec(
+        request_id=msg.request_id, prompt_token_ids=tuple(msg.prompt_token_ids),
+        params=params_from_proto(msg.params),
+        images=tuple(ImageInput(i.image_hash, i.position, tensor_from_proto(i.embeddings))
+                     for i in msg.images))
+
+
+def stop_reason_to_proto(reason: str | int | None) -> common_pb2.StopReason:
+    if isinstance(reason, str):
+        return common_pb2.StopReason(stop_string=reason)
+    if isinstance(reason, int):
+        return common_pb2.StopReason(stop_token_id=reason)
+    return common_pb2.StopReason()
+
+
+def stop_reason_from_proto(msg: common_pb2.StopReason) -> str | int | None:
+    kind = msg.WhichOneof("reason")
+    return None if kind is None else getattr(msg, kind)
+
+
+# ----- KV descriptors ----------------------------------------------------------------------
+def kv_handle_to_proto(handle: KVHandle) -> kvstore_pb2.KVHandle:
+    return kvstore_pb2.KVHandle(
+        lease_id=handle.lease_id,
+        owner=kvstore_pb2.Endpoint(host_id=handle.owner.host_id, tcp_address=handle.owner.tcp_address),
+        regions=[kvstore_pb2.RegionDesc(region_id=r.region_id, shm_path=r.shm_path, length=r.length)
+                 for r in handle.regions],
+        blocks=[kvstore_pb2.BlockDesc(region_id=b.region_id, offset=b.offset, length=b.length,
+                                      checksum=b.checksum) for b in handle.blocks])
+
+
+def kv_handle_from_proto(msg: kvstore_pb2.KVHandle) -> KVHandle:
+    return KVHandle(
+        lease_id=msg.lease_id, owner=Endpoint(msg.owner.host_id, msg.owner.tcp_address),
+        regions=tuple(RegionDesc(r.region_id, r.shm_path, r.length) for r in msg.regions),
+        blocks=tuple(BlockDesc(b.region_id, b.offset, b.length, b.checksum) for b in msg.blocks))
+
+
+# ----- load and model info -----------------------------------------------------------------
+def load_to_proto(report: LoadReport) -> common_pb2.LoadReport:
+    fields = dataclasses.asdict(report)
+    fields["step_time_samples_s"] = list(report.step_time_samples_s)
+    return common_pb2.LoadReport(**fields)
+
+
+def load_from_proto(msg: common_pb2.LoadReport) -> LoadReport:
+    values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(LoadReport)}
+    values["step_time_samples_s"] = tuple(msg.step_time_samples_s)
+    return LoadReport(**values)
+
+
+def model_info_to_proto(info: ModelInfo) -> common_pb2.ModelInfo:
+    fields = dataclasses.asdict(info)
+    fields["eos_token_ids"] = list(info.eos_token_ids)
+    if info.image_token_id is None:
+        del fields["image_token_id"]
+    return common_pb2.ModelInfo(**fields)
+
+
+def model_info_from_proto(msg: common_pb2.ModelInfo) -> ModelInfo:
+    values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(ModelInfo)}
+    values["eos_token_ids"] = tuple(msg.eos_token_ids)
+    values["image_token_id"] = msg.image_token_id if msg.HasField("image_token_id") else None
+    return ModelInfo(**values)

@@ -1,0 +1,45 @@
+"""The decode service.
+
+    python -m services.decode [--model NAME] [--port 50071] [--metrics-port 9071] ...
+
+Every flag is also an EPD_DECODE_* environment variable; ``--help`` lists them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from services.common.config import config_or_exit
+from services.common.server import ServerOptions, serve
+from services.decode.config import DecodeConfig
+from services.decode.servicer import LeaseReleaser, add_to_server
+from services.decode.worker import DecodeWorker
+from services.engine.serving import EngineInstance
+
+
+async def run(config: DecodeConfig) -> int:
+    instance = EngineInstance(config, "decode")
+    releaser = LeaseReleaser()
+    worker = DecodeWorker(instance, releaser)
+    instance.start()
+
+    async def on_drain() -> None:
+        worker.is_draining = True
+
+    try:
+        return await serve(lambda server: add_to_server(server, worker), ServerOptions.from_config(config),
+                           "epd.v1.Decode", on_drain=on_drain, background=[instance.watch_engine()])
+    finally:
+        await releaser.close()
+        await instance.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(run(config_or_exit(DecodeConfig, argv, "decode", prog="python -m services.decode")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

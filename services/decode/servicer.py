@@ -1,0 +1,71 @@
+"""The Decode gRPC service: a thin shell over :class:`DecodeWorker` (wire <-> worker)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc.aio
+
+from services.common.server import MAX_MESSAGE_BYTES
+from services.common.wire import (kv_handle_from_proto, load_to_proto, model_info_to_proto, spec_from_proto,
+                                  stop_reason_to_proto)
+from services.decode.worker import DecodeInput, DecodeWorker
+from services.pb import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+DEFAULT_WATCH_INTERVAL_S = 0.5
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, worker: DecodeWorker) -> None:
+        self.worker = worker
+
+    async def Generate(self, request, context):
+        req = DecodeInput(
+            spec=spec_from_proto(request.spec), output_token_ids=tuple(request.output_token_ids),
+            kv=kv_handle_from_proto(request.kv) if request.HasField("kv") else None,
+            num_cached_tokens=request.num_cached_tokens, prefill_address=request.prefill_address)
+        chunks = self.worker.generate(req)
+        try:
+            async for chunk in chunks:
+                yield decode_pb2.TokenChunk(
+                    token_ids=list(chunk.token_ids), finish_reason=chunk.finish_reason or "",
+                    stop_reason=stop_reason_to_proto(chunk.stop_reason),
+                    num_cached_tokens=chunk.num_cached_tokens, kv_recomputed=chunk.kv_recomputed)
+        finally:
+            await chunks.aclose()
+
+    async def GetModelInfo(self, request, context):
+        return model_info_to_proto(self.worker.instance.model_info())
+
+    async def GetLoad(self, request, context):
+        return load_to_proto(self.worker.load_report())
+
+    async def WatchLoad(self, request, context):
+        while True:
+            yield load_to_proto(self.worker.load_report())
+            await asyncio.sleep(request.interval_s or DEFAULT_WATCH_INTERVAL_S)
+
+
+class LeaseReleaser:
+    """Releases leases at prefill instances, one cached channel per address."""
+
+    def __init__(self) -> None:
+        self._stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
+        self._channels: list[grpc.aio.Channel] = []
+
+    async def __call__(self, prefill_address: str, lease_id: str) -> None:
+        stub = self._stubs.get(prefill_address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(prefill_address, options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+            self._channels.append(channel)
+            stub = self._stubs[prefill_address] = prefill_pb2_grpc.PrefillStub(channel)
+        await stub.Release(prefill_pb2.ReleaseRequest(lease_id=lease_id), timeout=5.0)
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+
+def add_to_server(server, worker: DecodeWorker) -> None:
+    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)

@@ -1,0 +1,145 @@
+"""What a prefill or decode instance is made of: the engine thread, its KV pool registered as a
+memory region, and the transfer engine that lets peers read (or write) that pool one-sided.
+
+Shared by the prefill and decode services so both register their pool the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvstore.transfer.engine import TransferEngine
+from kvstore.transfer.memory import MemoryRegion
+from services.common.config import check
+from services.common.server import ServerOptions
+from services.common.errors import InvalidRequestError
+from services.common.wire import LoadReport, ModelInfo, RequestSpec, TensorBytes
+from services.engine.async_engine import AsyncEngine
+from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine
+from services.engine.models.loader import load_model
+from services.engine.sequence import MultiModalInput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServingConfig(EngineConfig):
+    """Settings every engine service (prefill, decode) has: the engine's, the server's, the
+    transfer engine's. Each service subclasses it with its own default ports."""
+
+    host: str = "127.0.0.1"
+    """Address to bind gRPC, /metrics and the KV data server to; 0.0.0.0 in a container."""
+    port: int = 0
+    """gRPC port; 0 picks a free one."""
+    metrics_port: int | None = None
+    """Prometheus /metrics HTTP port; 0 picks a free one, none disables it."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM, how long in-flight requests get to finish."""
+    instance_id: str = ""
+    """Name in load reports and logs; empty: the role and a random suffix."""
+    transfer_port: int = 0
+    """TCP port of the KV data server peers on other hosts read from; 0 picks a free one."""
+    advertise_host: str = ""
+    """Host name peers use to reach this instance; empty: the bind host."""
+    image_token_id: int = 0
+    """Token id of image placeholder positions (their embeddings come from the encoder)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        ServerOptions.from_config(self)
+        check(0 <= self.transfer_port <= 65535, "transfer_port", "must be in 0..65535 (0: a free port)")
+
+
+class EngineInstance:
+    def __init__(self, config: ServingConfig, role: str) -> None:
+        engine_config = config
+        self.role = role
+        self.image_token_id = config.image_token_id
+        self.instance_id = config.instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
+        loaded = load_model(engine_config.model)
+        self.model_path = Path(loaded.path)
+        self.region: MemoryRegion | None = None
+        # A CUDA pool lives in device memory, which shared memory and sockets cannot reach
+        # directly; such an instance falls back to recompute on the decode side (see docs).
+        host_pool = not engine_config.device.startswith("cuda") and not _cuda_auto(engine_config)
+        allocator = self._allocate_region if host_pool else None
+        self.llm = LLMEngine(engine_config, loaded, kv_allocator=allocator)
+        self.engine = AsyncEngine(self.llm)
+        self.transfer = TransferEngine(host=config.host, port=config.transfer_port,
+                                       advertise_host=config.advertise_host)
+        if self.region is not None:
+            self.transfer.register(self.region)
+
+    def _allocate_region(self, num_bytes: int):
+        self.region = MemoryRegion.allocate(num_bytes, region_id=f"{self.instance_id}-kv")
+        return self.region.buffer
+
+    def start(self) -> None:
+        self.engine.start()
+
+    async def close(self) -> None:
+        await self.engine.stop()
+        self.transfer.close()
+        if self.region is not None:
+            self.region.close()
+
+    async def watch_engine(self, period_s: float = 0.2) -> None:
+        """Returns only when the engine thread has died (the server then exits non-zero)."""
+        while self.engine.error is None:
+            await asyncio.sleep(period_s)
+        logger.error("the engine died: %r", self.engine.error)
+
+    def block_ranges(self, block_ids) -> list[tuple[int, int]]:
+        """(offset, length) in the region of each block: the pool is block-major."""
+        size = self.llm.kv_block_bytes
+        return [(block_id * size, size) for block_id in block_ids]
+
+    def model_info(self) -> ModelInfo:
+        cfg, path = self.llm.model_config, self.model_path
+        tokenizer_json = path / "tokenizer.json"
+        tokenizer_config = path / "tokenizer_config.json"
+        return ModelInfo(
+            model_name=cfg.name, max_model_len=self.llm.max_model_len, vocab_size=cfg.vocab_size,
+            block_size=self.llm.config.block_size, eos_token_ids=tuple(self.llm.eos_token_ids),
+            tokenizer_json=tokenizer_json.read_text() if tokenizer_json.exists() else "",
+            tokenizer_config_json=tokenizer_config.read_text() if tokenizer_config.exists() else json.dumps({}),
+            image_token_id=self.image_token_id, hidden_size=cfg.hidden_size)
+
+    def load_report(self, **extra) -> LoadReport:
+        stats = self.engine.stats
+        samples = tuple(seconds for _, seconds in self.engine.step_time_samples)
+        return LoadReport(
+            instance_id=self.instance_id, role=self.role, num_running=stats.num_running + stats.num_held,
+            num_waiting=stats.num_waiting, num_queued_prefill_tokens=stats.num_queued_prefill_tokens,
+            num_kv_tokens_in_use=stats.num_kv_tokens_in_use, num_free_blocks=stats.num_free_blocks,
+            num_total_blocks=stats.num_total_blocks, step_time_samples_s=samples, **extra)
+
+
+def mm_inputs(spec: RequestSpec) -> tuple[MultiModalInput, ...]:
+    """The spec's image embeddings as tensors the engine splices in."""
+    return tuple(MultiModalInput(image.position, tensor_from_bytes(image.embeddings), image.image_hash.hex())
+                 for image in spec.images)
+
+
+def tensor_from_bytes(t: TensorBytes) -> torch.Tensor:
+    dtype = getattr(torch, t.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidRequestError(f"unknown tensor dtype {t.dtype!r}")
+    expected = math.prod(t.shape) * dtype.itemsize
+    if len(t.data) != expected:
+        raise InvalidRequestError(f"a tensor of shape {list(t.shape)} and dtype {t.dtype} needs "
+                                  f"{expected} bytes, not {len(t.data)}")
+    return torch.frombuffer(bytearray(t.data), dtype=dtype).view(t.shape)
+
+
+def _cuda_auto(config: EngineConfig) -> bool:
+    return config.device == "auto" and torch.cuda.is_available()

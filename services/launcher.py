@@ -1,0 +1,246 @@
+"""``epd up``: the whole cluster on one machine, as child processes.
+
+Life cycle::
+
+    start encoders, prefills, decodes (free ports) --wait for gRPC health SERVING--
+    start the router --wait for HTTP /health 200-- print the endpoints
+    wait: Ctrl-C / SIGTERM, or a child exits on its own
+    stop: SIGTERM to every child (they drain), SIGKILL after the grace period
+
+Children also get SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG), so
+no process outlives ``epd up``. Settings beyond these flags reach the children through their
+own environment variables (EPD_PREFILL_*, EPD_DECODE_*, ...), which they inherit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import glob
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from kvstore.transfer.memory import SHM_PREFIX
+from services.common.config import check, config_or_exit
+from services.common.server import wait_for_health
+
+logger = logging.getLogger("epd.up")
+_PR_SET_PDEATHSIG = 1
+SHM_DIR = "/dev/shm"  # where MemoryRegion puts KV pools by default
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    """Start a local epd cluster: encoders, prefills, decodes and the router."""
+
+    model: str = ""
+    """Model name, GGUF file or Hugging Face directory; empty: SmolLM2-135M-Instruct."""
+    encoders: int = 1
+    """Encoder instances (images in chat messages)."""
+    prefills: int = 1
+    """Prefill instances."""
+    decodes: int = 1
+    """Decode instances."""
+    host: str = "127.0.0.1"
+    """Address every process binds to."""
+    port: int = 8000
+    """The router's HTTP port (the OpenAI API)."""
+    kv_cache_gib: float = 1.0
+    """KV pool per prefill / decode instance."""
+    max_num_batched_tokens: int = 2048
+    """Per-step token budget of each engine (the prefill chunk size)."""
+    device: str = "auto"
+    """"cpu", "cuda" or "auto" for every engine."""
+    startup_timeout_s: float = 600.0
+    """How long the instances get to load the model and report healthy."""
+    stop_timeout_s: float = 30.0
+    """On Ctrl-C / SIGTERM, how long children get to drain before SIGKILL."""
+
+    def __post_init__(self) -> None:
+        check(self.encoders >= 0, "encoders", "must be >= 0")
+        check(self.prefills >= 1, "prefills", "needs at least one prefill instance")
+        check(self.decodes >= 1, "decodes", "needs at least one decode instance")
+        check(0 <= self.port <= 65535, "port", "must be in 0..65535")
+
+
+@dataclass
+class Child:
+    name: str
+    address: str
+    process: subprocess.Popen
+    metrics_url: str = ""
+
+
+def free_port(host: str) -> int:
+    """A port that is free now, from below the kernel's ephemeral range: a child binds it only
+    after loading its model, and meanwhile sockets bound to port 0 (data servers, clients) must
+    not take it."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low} on {host}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def remove_shared_memory_of(pid: int) -> None:
+    """A child that was killed could not unlink its KV pool from /dev/shm: do it for it."""
+    for path in glob.glob(os.path.join(SHM_DIR, f"{SHM_PREFIX}{pid}-*")):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+class Cluster:
+    def __init__(self, config: UpConfig) -> None:
+        self.config = config
+        self.children: list[Child] = []
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> Child:
+        host = self.config.host
+        port, metrics_port = free_port(host), free_port(host)
+        argv = [sys.executable, "-m", module, "--host", host, "--port", str(port),
+                "--metrics-port", str(metrics_port), *args]
+        process = subprocess.Popen(argv, preexec_fn=_die_with_parent)
+        child = Child(name, f"{host}:{port}", process, f"http://{host}:{metrics_port}/metrics")
+        self.children.append(child)
+        return child
+
+    def _engine_args(self) -> list[str]:
+        c = self.config
+        args = ["--kv-cache-gib", str(c.kv_cache_gib), "--max-num-batched-tokens",
+                str(c.max_num_batched_tokens), "--device", c.device]
+        return args + (["--model", c.model] if c.model else [])
+
+    async def start(self) -> str:
+        """Start every process; the router's base URL once everything is healthy."""
+        c = self.config
+        encoders = [self._spawn(f"encoder-{i}", "services.encoder", ["--model", c.model] if c.model else [])
+                    for i in range(c.encoders)]
+        prefills = [self._spawn(f"prefill-{i}", "services.prefill", self._engine_args() + ["--instance-id", f"prefill-{i}"])
+                    for i in range(c.prefills)]
+        decodes = [self._spawn(f"decode-{i}", "services.decode", self._engine_args() + ["--instance-id", f"decode-{i}"])
+                   for i in range(c.decodes)]
+        await self._wait_healthy(encoders + prefills + decodes)
+        router_args = [arg for child in prefills for arg in ("--prefill", child.address)]
+        router_args += [arg for child in decodes for arg in ("--decode", child.address)]
+        router_args += [arg for child in encoders for arg in ("--encoder", child.address)]
+        router = Child("router", f"{c.host}:{c.port}", subprocess.Popen(
+            [sys.executable, "-m", "services.router", "--host", c.host, "--port", str(c.port), *router_args],
+            preexec_fn=_die_with_parent))
+        self.children.append(router)
+        url = f"http://{router.address}"
+        await self._wait_http(router, url + "/health")
+        return url
+
+    async def _wait_healthy(self, children: list[Child]) -> None:
+        services = {"encoder": "epd.v1.Encoder", "prefill": "epd.v1.Prefill", "decode": "epd.v1.Decode"}
+
+        async def one(child: Child) -> None:
+            service = services[child.name.split("-")[0]]
+            deadline = time.monotonic() + self.config.startup_timeout_s
+            while time.monotonic() < deadline:
+                if child.process.poll() is not None:
+                    raise RuntimeError(f"{child.name} exited with status {child.process.returncode} while starting")
+                if await wait_for_health(child.address, service, timeout_s=1.0):
+                    return
+            raise RuntimeError(f"{child.name} was not healthy within {self.config.startup_timeout_s:.0f} s")
+
+        await asyncio.gather(*(one(child) for child in children))
+
+    async def _wait_http(self, child: Child, url: str) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        async with httpx.AsyncClient() as client:
+            while time.monotonic() < deadline:
+                if child.process.poll() is not None:
+                    raise RuntimeError(f"{child.name} exited with status {child.process.returncode} while starting")
+                try:
+                    if (await client.get(url, timeout=2.0)).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.1)
+        raise RuntimeError(f"{child.name} did not answer {url} within {self.config.startup_timeout_s:.0f} s")
+
+    def exited(self) -> Child | None:
+        return next((child for child in self.children if child.process.poll() is not None), None)
+
+    def stop(self) -> None:
+        """SIGTERM everything (router first, so no new work arrives), then SIGKILL stragglers."""
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.config.stop_timeout_s
+        for child in self.children:
+            try:
+                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in time: killing it", child.name)
+                child.process.kill()
+                child.process.wait()
+            remove_shared_memory_of(child.process.pid)
+
+
+async def run(config: UpConfig) -> int:
+    cluster = Cluster(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        starting = asyncio.ensure_future(cluster.start())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            return 0
+        url = starting.result()
+        for child in cluster.children:
+            print(f"  {child.name:<10} {child.address}  (pid {child.process.pid})", flush=True)
+        print(f"epd is up: {url}/v1  (OpenAI API; Ctrl-C stops everything)", flush=True)
+        while not stop.is_set():
+            if (dead := cluster.exited()) is not None:
+                logger.error("%s exited with status %s: stopping the cluster", dead.name, dead.process.returncode)
+                return 1
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+            except asyncio.TimeoutError:
+                pass
+        return 0
+    except RuntimeError as exc:
+        logger.error("%s", exc)
+        return 1
+    finally:
+        await asyncio.to_thread(cluster.stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    return asyncio.run(run(config_or_exit(UpConfig, argv, "up", prog="epd up")))

@@ -1,0 +1,44 @@
+"""The prefill service.
+
+    python -m services.prefill [--model NAME] [--port 50061] [--metrics-port 9061] ...
+
+Every flag is also an EPD_PREFILL_* environment variable; ``--help`` lists them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from services.common.config import config_or_exit
+from services.common.server import ServerOptions, serve
+from services.engine.serving import EngineInstance
+from services.prefill.config import PrefillConfig
+from services.prefill.servicer import add_to_server
+from services.prefill.worker import PrefillWorker
+
+
+async def run(config: PrefillConfig) -> int:
+    instance = EngineInstance(config, "prefill")
+    worker = PrefillWorker(instance, lease_ttl_s=config.lease_ttl_s)
+    instance.start()
+
+    async def on_drain() -> None:
+        worker.is_draining = True
+
+    try:
+        return await serve(lambda server: add_to_server(server, worker), ServerOptions.from_config(config),
+                           "epd.v1.Prefill", on_drain=on_drain,
+                           background=[worker.expire_leases(), instance.watch_engine()])
+    finally:
+        await instance.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(run(config_or_exit(PrefillConfig, argv, "prefill", prog="python -m services.prefill")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""The router's real backend: a request's trip through the cluster over gRPC.
+
+::
+
+    GenerateRequest --> (images: encoder) --> prefill: first token + KV handle
+                    --> decode: pulls the KV one-sided, streams tokens --> GenerateChunks
+
+Closing the chunk iterator (the client left) cancels whichever call is in flight; a KV handle
+that no decode instance took yet is released at its prefill instance right away.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+import grpc.aio
+from tokenizers import Tokenizer as BackendTokenizer
+
+from services.common.errors import InvalidRequestError
+from services.common.grpc_errors import error_from_rpc
+from services.common.retry import is_retryable, retry
+from services.common.tokenizer import Tokenizer
+from services.common.wire import (ImageInput, ModelInfo, RequestSpec,
+                                  model_info_from_proto, spec_to_proto, stop_reason_from_proto,
+                                  tensor_from_proto)
+from services.pb import common_pb2, decode_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc
+from services.pb import prefill_pb2, prefill_pb2_grpc
+from services.router.backend import GenerateChunk, GenerateRequest
+from services.router.instances import InstancePool
+
+logger = logging.getLogger(__name__)
+
+
+class ClusterBackend:
+    def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...], encoder: tuple[str, ...] = ()) -> None:
+        self.prefills = InstancePool("prefill", prefill, prefill_pb2_grpc.PrefillStub)
+        self.decodes = InstancePool("decode", decode, decode_pb2_grpc.DecodeStub)
+        self.encoders = InstancePool("encoder", encoder, encoder_pb2_grpc.EncoderStub)
+        self.info: ModelInfo | None = None
+        self.tokenizer: Tokenizer | None = None
+
+    async def connect(self, timeout_s: float = 60.0) -> None:
+        """Learn the model (name, limits, tokenizer) from a prefill instance (waiting for one to
+        come up: it may still be loading the model)."""
+        msg = await self.prefills.pick().stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout_s,
+                                                           wait_for_ready=True)
+        self.info = info = model_info_from_proto(msg)
+        if info.tokenizer_json:
+            self.tokenizer = Tokenizer(BackendTokenizer.from_str(info.tokenizer_json),
+                                       json.loads(info.tokenizer_config_json), info.eos_token_ids)
+
+    @property
+    def model_name(self) -> str:
+        return self.info.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def image_token_id(self) -> int | None:
+        return self.info.image_token_id if self.encoders else None
+
+    async def is_healthy(self) -> bool:
+        try:
+            for pool in (self.prefills, self.decodes):
+                for instance in pool.instances:
+                    await instance.stub.GetLoad(common_pb2.LoadRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        for pool in (self.prefills, self.decodes, self.encoders):
+            await pool.close()
+
+    # ----- a request -----------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        spec = await self._spec(request)
+        num_prompt = len(spec.prompt_token_ids)
+        prefill, first = await self._prefill(spec)
+        kv = first.kv if first.HasField("kv") else None
+        handed_over = False
+        try:
+            finish = first.finish_reason or None
+            yield GenerateChunk((first.first_token_id,), finish, stop_reason_from_proto(first.stop_reason),
+                                num_prompt, first.num_cached_tokens)
+            if finish is not None:
+                return
+            decode = self.decodes.pick()
+            call = decode.stub.Generate(decode_pb2.DecodeRequest(
+                spec=spec_to_proto(spec), output_token_ids=[first.first_token_id],
+                kv=kv, num_cached_tokens=first.num_cached_tokens, prefill_address=prefill.address))
+            handed_over = True
+            try:
+                async for chunk in call:
+                    yield GenerateChunk(tuple(chunk.token_ids), chunk.finish_reason or None,
+                                        stop_reason_from_proto(chunk.stop_reason), num_prompt,
+                                        chunk.num_cached_tokens)
+            except grpc.aio.AioRpcError as exc:
+                raise error_from_rpc(exc) from exc
+            finally:
+                call.cancel()
+        finally:
+            if kv is not None and not handed_over:
+                await self._release(prefill, kv.lease_id)
+
+    async def _prefill(self, spec: RequestSpec):
+        """(instance, PrefillResponse); another instance is tried when one is unavailable."""
+        message = prefill_pb2.PrefillRequest(spec=spec_to_proto(spec))
+
+        async def attempt():
+            instance = self.prefills.pick()
+            try:
+                return instance, await instance.stub.Prefill(message)
+            except grpc.aio.AioRpcError as exc:
+                raise error_from_rpc(exc) from exc
+
+        return await retry(attempt, retry_on=is_retryable, attempts=max(2, len(self.prefills)))
+
+    async def _release(self, instance, lease_id: str) -> None:
+        try:
+            await instance.stub.Release(prefill_pb2.ReleaseRequest(lease_id=lease_id), timeout=5.0)
+        except grpc.aio.AioRpcError as exc:  # the lease expires on its own
+            logger.warning("could not release lease %s at %s: %s", lease_id, instance.address, exc.details())
+
+    async def _spec(self, request: GenerateRequest) -> RequestSpec:
+        """The wire spec; each image's single placeholder becomes one token per embedding row."""
+        if not request.images:
+            return RequestSpec(request.request_id, request.prompt_token_ids, request.params)
+        embeddings = await self._encode_images(request)
+        token_ids = list(request.prompt_token_ids)
+        images = []
+        shift = 0
+        for position, (image_hash, tensor) in sorted(zip(request.image_positions, embeddings)):
+            start = position + shift
+            num_rows = tensor.shape[0]
+            token_ids[start:start + 1] = [token_ids[start]] * num_rows
+            images.append(ImageInput(image_hash, start, tensor))
+            shift += num_rows - 1
+        return RequestSpec(request.request_id, tuple(token_ids), request.params, tuple(images))
+
+    async def _encode_images(self, request: GenerateRequest) -> list[tuple[bytes, object]]:
+        if not self.encoders:
+            raise InvalidRequestError("this deployment has no encoder: images are not supported")
+        instance = self.encoders.pick()
+        try:
+            reply = await instance.stub.Encode(encoder_pb2.EncodeRequest(images=list(request.images)))
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from exc
+        return [(image.image_hash, tensor_from_proto(image.embeddings)) for image in reply.images]

@@ -1,0 +1,98 @@
+"""``epd up`` as a user runs it: everything starts, and nothing outlives it."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image
+
+from services.launcher import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_up(model_dir: Path, port: int) -> tuple[subprocess.Popen, list[int]]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), "--encoders", "1",
+         "--prefills", "1", "--decodes", "2", "--port", str(port), "--kv-cache-gib", "0.02", "--device", "cpu"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    pids = []
+    for line in process.stdout:
+        if match := re.search(r"\(pid (\d+)\)", line):
+            pids.append(int(match.group(1)))
+        if line.startswith("epd is up"):
+            return process, pids
+    raise AssertionError(f"epd up exited with {process.wait()} before it was up")
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def wait_gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (alive := [p for p in pids if is_alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+def image_message(uri: str) -> dict:
+    return {"model": "tiny-chat0", "max_tokens": 3, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": uri}}]}]}
+
+
+def check_images(port: int) -> None:
+    """An image goes router -> encoder -> prefill (spliced) -> decode; a broken one is a 400."""
+    picture = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(picture, format="PNG")
+    uri = "data:image/png;base64," + base64.b64encode(picture.getvalue()).decode()
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    reply = httpx.post(url, json=image_message(uri), timeout=60)
+    assert reply.status_code == 200, reply.text
+    text_only = httpx.post(url, timeout=60, json={**image_message(uri), "messages": [
+        {"role": "user", "content": "What is in this picture?"}]}).json()
+    # One placeholder token became one token per patch (196 for a 224x224 image, 16x16 patches).
+    assert reply.json()["usage"]["prompt_tokens"] - text_only["usage"]["prompt_tokens"] >= 196
+    broken = httpx.post(url, json=image_message("data:image/png;base64,bm90IGFuIGltYWdl"), timeout=60)
+    assert broken.status_code == 400 and "image" in broken.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_epd_up_serves_and_leaves_no_orphan(tiny_chat_model_dir, sig):
+    port = free_port("127.0.0.1")
+    process, pids = start_up(tiny_chat_model_dir, port)
+    try:
+        assert len(pids) == 5  # encoder, prefill, 2 decodes, router
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                           json={"model": "tiny-chat0", "prompt": "Hello", "max_tokens": 4})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+        if sig == signal.SIGTERM:
+            check_images(port)
+        process.send_signal(sig)
+        # SIGKILL gives the launcher no chance to clean up: the kernel's parent-death signal must.
+        assert wait_gone(pids) == []
+        assert process.wait(timeout=30) in (0, -signal.SIGKILL)
+    finally:
+        process.kill()
+        process.wait()
+        process.stdout.close()
+        for pid in pids:
+            if is_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert not [f for f in os.listdir("/dev/shm") if any(f"-{pid}-" in f for pid in pids)]

@@ -1,0 +1,48 @@
+"""Every wire dataclass survives the trip through its protobuf unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.transfer.descriptors import BlockDesc, Endpoint, KVHandle, RegionDesc
+from services.common import wire
+from services.common.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(),
+    SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.3,
+                   frequency_penalty=-0.2, repetition_penalty=1.1, max_tokens=99, min_tokens=3,
+                   seed=2**40, stop=("END", "\n\n"), stop_token_ids=(7, 8), ignore_eos=True,
+                   logprobs=5, skip_special_tokens=False),
+    SamplingParams(temperature=0, seed=0, logprobs=0),
+])
+def test_sampling_params_round_trip_exactly(params):
+    # Doubles on the wire: 0.7 must stay 0.7, or seeded sampling would diverge.
+    assert wire.params_from_proto(wire.params_to_proto(params)) == params
+
+
+def test_request_spec_with_images_round_trips():
+    spec = wire.RequestSpec("r1", (1, 2, 3, 4), SamplingParams(seed=3), (
+        wire.ImageInput(b"\x01" * 32, 1, wire.TensorBytes((2, 4), "float32", bytes(32))),))
+    assert wire.spec_from_proto(wire.spec_to_proto(spec)) == spec
+
+
+def test_kv_handle_round_trips():
+    handle = KVHandle("lease-1", Endpoint("host-a", "10.0.0.1:7000"),
+                      (RegionDesc("r", "/dev/shm/epd-kv-1-r", 4096),),
+                      (BlockDesc("r", 0, 1024, 2**64 - 1), BlockDesc("r", 1024, 512, 0)))
+    assert wire.kv_handle_from_proto(wire.kv_handle_to_proto(handle)) == handle
+
+
+@pytest.mark.parametrize("reason", [None, "STOP", 17])
+def test_stop_reason_round_trips(reason):
+    assert wire.stop_reason_from_proto(wire.stop_reason_to_proto(reason)) == reason
+
+
+def test_load_report_and_model_info_round_trip():
+    report = wire.LoadReport("p-0", "prefill", 1, 2, 3, 4, 5, 6, 7, 8, (0.5, 0.25), True, 9)
+    assert wire.load_from_proto(wire.load_to_proto(report)) == report
+    for image_token_id in (None, 0, 42):
+        info = wire.ModelInfo("m", 4096, 512, 16, (2, 3), "{}", '{"a": 1}', image_token_id, 64)
+        assert wire.model_info_from_proto(wire.model_info_to_proto(info)) == info
