@@ -15,6 +15,8 @@ cryptographic. Transport integrity beyond that is TCP's checksum and the lease p
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 CHUNK_WORDS = 512
@@ -46,9 +48,15 @@ def chunk_sums(buf) -> np.ndarray:
 
 def combine(sums: np.ndarray, length: int) -> int:
     """Fold chunk sums into the checksum (array arithmetic wraps mod 2**64 silently)."""
-    weights = np.arange(1, 2 * len(sums), 2, dtype=np.uint64)
-    weighted = int((sums * weights).sum(dtype=np.uint64))
+    weighted = int(np.dot(sums, _weights(len(sums))))
     return (weighted + length * LENGTH_MIX) & MASK64
+
+
+@functools.lru_cache(maxsize=64)
+def _weights(num_chunks: int) -> np.ndarray:
+    # Cached: every block of a pool has the same length, and a fresh arange per block costs
+    # more than summing the block's chunks.
+    return np.arange(1, 2 * num_chunks, 2, dtype=np.uint64)
 
 
 def checksum(buf) -> int:

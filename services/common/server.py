@@ -37,7 +37,7 @@ import inspect
 import logging
 import signal
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -322,6 +322,14 @@ async def _abort_for(context: grpc.aio.ServicerContext, error: Exception,
     logger.error("%s failed", getattr(method, "__qualname__", method), exc_info=error)
     await context.abort(grpc.StatusCode.INTERNAL,
                         f"internal error: {type(error).__name__}: {error}")
+
+
+async def watch_load(report: Callable[[], Any], to_proto: Callable[[Any], Any], interval_s: float,
+                     default_interval_s: float = 0.5) -> AsyncIterator[Any]:
+    """A WatchLoad RPC's body: the instance's load report now and then every ``interval_s``."""
+    while True:
+        yield to_proto(report())
+        await asyncio.sleep(interval_s or default_interval_s)
 
 
 async def check_health(address: str, service_name: str = "", timeout_s: float = 1.0) -> str | None:

@@ -12,28 +12,21 @@ import logging
 import sys
 
 from services.common.config import config_or_exit
-from services.common.server import ServerOptions, serve
 from services.decode.config import DecodeConfig
 from services.decode.servicer import LeaseReleaser, add_to_server
 from services.decode.worker import DecodeWorker
-from services.engine.serving import EngineInstance
+from services.engine.serving import EngineInstance, serve_instance
 
 
 async def run(config: DecodeConfig) -> int:
     instance = EngineInstance(config, "decode")
     releaser = LeaseReleaser()
     worker = DecodeWorker(instance, releaser)
-    instance.start()
-
-    async def on_drain() -> None:
-        worker.is_draining = True
-
     try:
-        return await serve(lambda server: add_to_server(server, worker), ServerOptions.from_config(config),
-                           "epd.v1.Decode", on_drain=on_drain, background=[instance.watch_engine()])
+        return await serve_instance(instance, config, worker, lambda server: add_to_server(server, worker),
+                                    "epd.v1.Decode")
     finally:
         await releaser.close()
-        await instance.close()
 
 
 def main(argv: list[str] | None = None) -> int:

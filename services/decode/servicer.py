@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 
 import grpc.aio
 
 from services.common.server import MAX_MESSAGE_BYTES
+from services.common.server import watch_load
 from services.common.wire import (kv_handle_from_proto, load_to_proto, model_info_to_proto, spec_from_proto,
                                   stop_reason_to_proto)
 from services.decode.worker import DecodeInput, DecodeWorker
 from services.pb import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-
-DEFAULT_WATCH_INTERVAL_S = 0.5
-
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, worker: DecodeWorker) -> None:
@@ -41,9 +38,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return load_to_proto(self.worker.load_report())
 
     async def WatchLoad(self, request, context):
-        while True:
-            yield load_to_proto(self.worker.load_report())
-            await asyncio.sleep(request.interval_s or DEFAULT_WATCH_INTERVAL_S)
+        async for report in watch_load(self.worker.load_report, load_to_proto, request.interval_s):
+            yield report
 
 
 class LeaseReleaser:

@@ -10,12 +10,10 @@ import asyncio
 import hashlib
 
 from services.common.errors import InvalidRequestError
+from services.common.server import watch_load
 from services.common.wire import LoadReport, load_to_proto
 from services.encoder.worker import EncoderWorker, to_bytes
 from services.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
-
-DEFAULT_WATCH_INTERVAL_S = 0.5
-
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
     def __init__(self, worker: EncoderWorker, instance_id: str, max_images: int, tower_id: bytes = b"") -> None:
@@ -54,6 +52,5 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         return load_to_proto(self.load_report())
 
     async def WatchLoad(self, request, context):
-        while True:
-            yield load_to_proto(self.load_report())
-            await asyncio.sleep(request.interval_s or DEFAULT_WATCH_INTERVAL_S)
+        async for report in watch_load(self.load_report, load_to_proto, request.interval_s):
+            yield report

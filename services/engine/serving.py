@@ -11,15 +11,17 @@ import json
 import logging
 import math
 import uuid
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kvstore.transfer.engine import TransferEngine
 from kvstore.transfer.memory import MemoryRegion
 from services.common.config import check
-from services.common.server import ServerOptions
+from services.common.server import ServerOptions, serve
 from services.common.errors import InvalidRequestError
 from services.common.wire import LoadReport, ModelInfo, RequestSpec, TensorBytes
 from services.engine.async_engine import AsyncEngine
@@ -122,6 +124,23 @@ class EngineInstance:
             num_waiting=stats.num_waiting, num_queued_prefill_tokens=stats.num_queued_prefill_tokens,
             num_kv_tokens_in_use=stats.num_kv_tokens_in_use, num_free_blocks=stats.num_free_blocks,
             num_total_blocks=stats.num_total_blocks, step_time_samples_s=samples, **extra)
+
+
+async def serve_instance(instance: EngineInstance, config: ServingConfig, worker,
+                         add_servicers: Callable[[Any], None], service_name: str,
+                         background: tuple[Coroutine, ...] = ()) -> int:
+    """Run an engine service until it is told to stop: the engine thread, the gRPC server (on
+    drain the worker stops taking requests), and the watch that exits when the engine dies."""
+    instance.start()
+
+    async def on_drain() -> None:
+        worker.is_draining = True
+
+    try:
+        return await serve(add_servicers, ServerOptions.from_config(config), service_name, on_drain=on_drain,
+                           background=[*background, instance.watch_engine()])
+    finally:
+        await instance.close()
 
 
 def mm_inputs(spec: RequestSpec) -> tuple[MultiModalInput, ...]:

@@ -12,8 +12,7 @@ import logging
 import sys
 
 from services.common.config import config_or_exit
-from services.common.server import ServerOptions, serve
-from services.engine.serving import EngineInstance
+from services.engine.serving import EngineInstance, serve_instance
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import add_to_server
 from services.prefill.worker import PrefillWorker
@@ -22,17 +21,8 @@ from services.prefill.worker import PrefillWorker
 async def run(config: PrefillConfig) -> int:
     instance = EngineInstance(config, "prefill")
     worker = PrefillWorker(instance, lease_ttl_s=config.lease_ttl_s)
-    instance.start()
-
-    async def on_drain() -> None:
-        worker.is_draining = True
-
-    try:
-        return await serve(lambda server: add_to_server(server, worker), ServerOptions.from_config(config),
-                           "epd.v1.Prefill", on_drain=on_drain,
-                           background=[worker.expire_leases(), instance.watch_engine()])
-    finally:
-        await instance.close()
+    return await serve_instance(instance, config, worker, lambda server: add_to_server(server, worker),
+                                "epd.v1.Prefill", background=(worker.expire_leases(),))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 
+from services.common.server import watch_load
 from services.common.wire import (kv_handle_to_proto, load_to_proto, model_info_to_proto, spec_from_proto,
                                   stop_reason_to_proto)
 from services.pb import prefill_pb2, prefill_pb2_grpc
 from services.prefill.worker import PrefillWorker
-
-DEFAULT_WATCH_INTERVAL_S = 0.5
-
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, worker: PrefillWorker) -> None:
@@ -35,9 +32,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return load_to_proto(self.worker.load_report())
 
     async def WatchLoad(self, request, context):
-        while True:
-            yield load_to_proto(self.worker.load_report())
-            await asyncio.sleep(request.interval_s or DEFAULT_WATCH_INTERVAL_S)
+        async for report in watch_load(self.worker.load_report, load_to_proto, request.interval_s):
+            yield report
 
 
 def add_to_server(server, worker: PrefillWorker) -> None:
