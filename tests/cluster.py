@@ -22,7 +22,9 @@ class RunningCluster:
     cluster: Cluster
 
     def addresses(self, role: str) -> list[str]:
-        return [c.address for c in self.cluster.children if c.name.startswith(role)]
+        """gRPC addresses of the live instances of ``role``."""
+        return [c.address for c in self.cluster.children
+                if c.name.startswith(role) and c.process.poll() is None]
 
     def loads(self) -> list[LoadReport]:
         reports = []
@@ -36,7 +38,7 @@ class RunningCluster:
         """A counter or gauge summed over every instance of ``role`` (from their /metrics)."""
         total = 0.0
         for child in self.cluster.children:
-            if not child.name.startswith(role):
+            if not child.name.startswith(role) or child.process.poll() is not None:
                 continue
             for family in text_string_to_metric_families(httpx.get(child.metrics_url, timeout=5).text):
                 for sample in family.samples:

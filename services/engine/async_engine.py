@@ -134,9 +134,10 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._fail_streams, exc)
 
     def _queued_commands(self) -> list[Callable[[], None] | None]:
-        """Every queued command; waits a little for one when the engine is idle."""
+        """Every queued command; waits a little for one when the engine is idle, or when its
+        last step could schedule nothing (its requests wait for blocks another engine holds)."""
         commands = []
-        if not self.engine.has_unfinished_requests():
+        if not self.engine.has_unfinished_requests() or self.engine.last_step_num_tokens == 0:
             try:
                 commands.append(self._commands.get(timeout=_IDLE_WAIT_S))
             except queue.Empty:
@@ -150,7 +151,8 @@ class AsyncEngine:
     def _step(self) -> None:
         start = time.perf_counter()
         outputs = self.engine.step()
-        self.step_time_samples.append((self.engine.last_step_num_tokens, time.perf_counter() - start))
+        if self.engine.last_step_num_tokens:
+            self.step_time_samples.append((self.engine.last_step_num_tokens, time.perf_counter() - start))
         for out in outputs:
             item: RequestOutput | Handoff = out
             if out.request_id in self._detach_after_first_token:

@@ -120,6 +120,7 @@ class LLMEngine:
         self.kv_block_bytes = kv_block_bytes(cfg, bs, dtype)
         self._states: dict[RequestId, OutputState] = {}
         self.last_step_num_tokens = 0
+        self._num_handoff_blocks = 0
         self._held: dict[RequestId, Sequence] = {}
         """Requests added with ``hold_for_kv``: not scheduled until their KV is committed."""
         self._ids = itertools.count()
@@ -223,13 +224,15 @@ class LLMEngine:
         """Run one step; returns an output for every request that got a token (finished or not)."""
         out = self.scheduler.schedule()
         if out is None:
-            if self.scheduler.waiting and not self.scheduler.running:
-                # Nothing runs, so nothing will ever free a block: waiting would hang forever.
+            self.last_step_num_tokens = 0
+            if self.scheduler.waiting and not self.scheduler.running and not self._has_lent_blocks():
+                # Nothing runs and nothing is lent out, so nothing will ever free a block:
+                # waiting would hang forever.
                 raise RuntimeError(
                     f"the KV pool cannot fit request {self.scheduler.waiting[0].request_id!r} even "
                     f"with nothing running ({self.block_manager.num_free_blocks} of "
                     f"{self.block_manager.num_blocks} blocks free; the rest are pinned by exports)")
-            return []
+            return []  # blocks lent to another engine come back when it releases them
         self.last_step_num_tokens = out.num_tokens
         result = self.runner.execute(out)
         seqs = {c.request_id: self._states[c.request_id].seq for c in out.chunks
@@ -246,6 +249,11 @@ class LLMEngine:
                 del self._states[seq.request_id]
             outputs.append(state.to_output())
         return outputs
+
+    def _has_lent_blocks(self) -> bool:
+        """Blocks held outside the scheduler that a release will give back: hand-offs not yet
+        released, requests holding blocks for KV that is still arriving."""
+        return self._num_handoff_blocks > 0 or any(seq.block_table for seq in self._held.values())
 
     def prompt_logits(self, token_ids: list[int]) -> "torch.Tensor":
         """Logits [len, vocab] at every position of one prompt, computed alone (fp32).
@@ -269,10 +277,12 @@ class LLMEngine:
         seq = state.seq
         assert seq.num_computed_tokens == seq.num_prompt_tokens and seq.num_output_tokens >= 1, seq
         block_ids = self.scheduler.detach(seq)
+        self._num_handoff_blocks += len(block_ids)
         return Handoff(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, block_ids,
                        seq.num_computed_tokens, seq.num_cached_tokens)
 
     def release_handoff(self, handoff: Handoff) -> None:
+        self._num_handoff_blocks -= len(handoff.block_ids)
         self.block_manager.unpin(handoff.block_ids)
         handoff.block_ids = []
 

@@ -11,6 +11,7 @@ that no decode instance took yet is released at its prefill instance right away.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -90,23 +91,40 @@ class ClusterBackend:
                                 num_prompt, first.num_cached_tokens)
             if finish is not None:
                 return
-            decode = self.decodes.pick()
-            call = decode.stub.Generate(decode_pb2.DecodeRequest(
+            request = decode_pb2.DecodeRequest(
                 spec=spec_to_proto(spec), output_token_ids=[first.first_token_id],
-                kv=kv, num_cached_tokens=first.num_cached_tokens, prefill_address=prefill.address))
-            handed_over = True
-            try:
-                async for chunk in call:
+                kv=kv, num_cached_tokens=first.num_cached_tokens, prefill_address=prefill.address)
+            async with contextlib.aclosing(self._decode(request)) as chunks:
+                async for chunk in chunks:
+                    # A decode instance has the request: it read the KV (or recomputes) and
+                    # releases the lease itself.
+                    handed_over = True
                     yield GenerateChunk(tuple(chunk.token_ids), chunk.finish_reason or None,
                                         stop_reason_from_proto(chunk.stop_reason), num_prompt,
                                         chunk.num_cached_tokens)
-            except grpc.aio.AioRpcError as exc:
-                raise error_from_rpc(exc) from exc
-            finally:
-                call.cancel()
         finally:
             if kv is not None and not handed_over:
                 await self._release(prefill, kv.lease_id)
+
+    async def _decode(self, request: decode_pb2.DecodeRequest) -> AsyncIterator[decode_pb2.TokenChunk]:
+        """The token stream from a decode instance; until its first chunk, an unavailable
+        instance (dead, draining) is skipped for the next one."""
+        for attempt in range(len(self.decodes)):
+            instance = self.decodes.pick()
+            call = instance.stub.Generate(request)
+            has_chunks = False
+            try:
+                async for chunk in call:
+                    has_chunks = True
+                    yield chunk
+                return
+            except grpc.aio.AioRpcError as exc:
+                error = error_from_rpc(exc)
+                if has_chunks or not error.retryable or attempt == len(self.decodes) - 1:
+                    raise error from exc
+                logger.warning("decode instance %s unavailable (%s): trying another", instance.address, error)
+            finally:
+                call.cancel()
 
     async def _prefill(self, spec: RequestSpec):
         """(instance, PrefillResponse); another instance is tried when one is unavailable."""

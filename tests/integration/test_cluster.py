@@ -131,3 +131,14 @@ def test_client_disconnect_cancels_everywhere(cluster):
                for r in busy), busy
     loads = wait_idle(cluster)
     assert all(is_idle(r) for r in loads), loads
+
+
+def test_a_dead_decode_instance_is_skipped(cluster, offline):
+    """Runs last: it kills decode-1. Requests that the round robin sends its way go to decode-0."""
+    victim = next(c for c in cluster.cluster.children if c.name == "decode-1")
+    victim.process.kill()
+    victim.process.wait()
+    prompts = random_prompts(4, [40, 70, 20, 90], vocab=49152, seed=21)
+    served = asyncio.run(completions(cluster.url, prompts, max_tokens=6, temperature=0))
+    expected = [o.token_ids for o in offline.generate(prompts, SamplingParams(max_tokens=6, temperature=0))]
+    assert served == expected

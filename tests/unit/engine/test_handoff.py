@@ -90,3 +90,17 @@ def test_resumed_request_must_have_something_left_to_generate(engines):
     _, decode = engines
     with pytest.raises(ValueError, match="nothing is left to generate"):
         decode.add_request([5, 6, 7], SamplingParams(max_tokens=1), "done", output_token_ids=[9])
+
+
+def test_a_request_waits_for_blocks_lent_to_decode_instead_of_failing(tiny_llama_dir):
+    engine = LLM(str(tiny_llama_dir), num_kv_blocks=20).engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request(random_prompts(1, [200], seed=1)[0], params, "lent")
+    while not engine.step():
+        pass
+    handoff = engine.detach("lent")  # 13 of 20 blocks now wait for a decode instance
+    engine.add_request(random_prompts(1, [150], seed=2)[0], params, "next")
+    assert engine.step() == [] and engine.step() == []  # waits: the blocks come back on release
+    engine.release_handoff(handoff)
+    assert run(engine)["next"].finish_reason == "length"
+    # (With nothing lent out, a request that can never fit is an error: test_engine.py.)
