@@ -194,13 +194,18 @@ Run = Callable[[], None]
 
 
 def run_interleaved(runs: dict[str, Run], reps: int) -> dict[str, list[float]]:
-    """Seconds per run of each; one warm-up each (first mapping, connection set-up), then the
-    reps round-robin, so load from other processes on the machine hits every column alike."""
+    """Seconds per run of each: the reps go round-robin, so load from other processes on the
+    machine hits every column alike, and each timed run follows an untimed one of the same
+    column. That first run after switching columns measures the switch, not the path: the
+    scheduler has to move the sender and receiver threads of the new path apart again (a TCP
+    read right after the raw socket's ran at ~0.6x its steady speed, and the socket after TCP
+    likewise)."""
     for run in runs.values():
         run()
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(reps):
         for name, run in runs.items():
+            run()
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)

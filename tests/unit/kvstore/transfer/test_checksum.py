@@ -59,3 +59,10 @@ def test_detects_truncation_even_of_zeros():
     data = np.zeros(8192, dtype=np.uint8)
     assert checksum(data[:4096]) != checksum(data)
     assert checksum(data[:8191]) != checksum(data)
+
+
+def test_numpy_fast_path_equals_the_generic_path():
+    from kvstore.transfer.checksum import CHUNK_BYTES, checksum
+
+    data = np.random.default_rng(3).integers(0, 256, 5 * CHUNK_BYTES, dtype=np.uint8)
+    assert checksum(data) == checksum(bytes(data)) == checksum(memoryview(data))
