@@ -1,8 +1,8 @@
 """Same-host transport: map the owner's /dev/shm region file and copy blocks straight out.
 
 One copy per block (owner's pages -> destination pool), no owner involvement, no syscalls per
-block. A read's blocks are split across a few copy threads, each copying a block and then
-checksumming it while it is still in cache. numpy, not torch: its copies release the GIL, and
+block. A read's blocks are split across a few copy threads, each copying a block piece by piece
+and checksumming each piece while it is still in L2. numpy, not torch: its copies release the GIL, and
 torch's per-thread OpenMP teams spinning against each other (and against the engine's own
 forward pass) cost more than they gained in measurements.
 
