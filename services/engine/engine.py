@@ -241,7 +241,10 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for seq in updated:
             state = self._states[seq.request_id]
-            stop = state.add_token(seq.token_ids[-1], result.logprobs.get(seq.request_id))
+            # The EOS or stop token that ended a request is kept in token_ids but not in the text.
+            is_stop_token = seq.is_finished and seq.finish_reason is FinishReason.STOP
+            stop = state.add_token(seq.token_ids[-1], result.logprobs.get(seq.request_id),
+                                   has_text=not is_stop_token)
             if stop is not None:
                 self.scheduler.finish(seq, FinishReason.STOP, stop_reason=stop)
             if seq.is_finished:

@@ -50,11 +50,14 @@ class OutputState:
     def text(self) -> str:
         return self.text_state.text if self.text_state is not None else ""
 
-    def add_token(self, token_id: int, logprobs: TokenLogprobs | None) -> str | None:
-        """Append a token's text; returns the stop string that matched, if any."""
+    def add_token(self, token_id: int, logprobs: TokenLogprobs | None, has_text: bool = True) -> str | None:
+        """Append a token (and its text, unless ``has_text`` is False); returns the stop string
+        that matched, if any."""
         if logprobs is not None:
             self.logprobs.append(logprobs)
-        return None if self.text_state is None else self.text_state.add(token_id)
+        if self.text_state is None or not has_text:
+            return None
+        return self.text_state.add(token_id)
 
     def finish(self) -> None:
         if self.text_state is not None:

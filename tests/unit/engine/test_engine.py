@@ -158,3 +158,14 @@ def test_invalid_sampling_values_name_the_field(kwargs, message):
 def test_unknown_model_path_is_a_clear_error(tmp_path):
     with pytest.raises(ModelNotFoundError, match="nope"):
         LLM(str(tmp_path / "nope"))
+
+
+def test_the_stop_token_is_in_token_ids_but_not_in_the_text(tiny_chat_model_dir):
+    chat = LLM(str(tiny_chat_model_dir), num_kv_blocks=64)
+    free = chat.generate("Once upon a time", GREEDY)[0]
+    stop_at = free.token_ids[3]
+    index = free.token_ids.index(stop_at)
+    out = chat.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=16,
+                                                           stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == free.token_ids[:index + 1]
+    assert out.text == chat.tokenizer.decode(free.token_ids[:index]) and out.text != free.text
