@@ -64,12 +64,17 @@ IN_FLIGHT = metrics.gauge("epd_grpc_requests_in_flight", "RPCs being served now 
 
 @dataclass(frozen=True)
 class ServerOptions:
-    """What serve() needs from a service config (see the module docstring)."""
+    """What serve() needs from a service config (see the module docstring); a service config
+    may also inherit these fields (and their checks) instead of declaring them."""
 
     host: str = "127.0.0.1"
+    """Address to bind gRPC and /metrics to; 0.0.0.0 in a container."""
     port: int = 0
+    """gRPC port; 0 picks a free one."""
     metrics_port: int | None = None
+    """Prometheus /metrics HTTP port; 0 picks a free one, none disables it."""
     drain_timeout_s: float = 30.0
+    """On SIGTERM, how long in-flight requests get to finish."""
 
     def __post_init__(self) -> None:
         check(bool(self.host), "host", "must not be empty")

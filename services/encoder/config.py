@@ -9,7 +9,7 @@ from services.common.server import ServerOptions
 
 
 @dataclass(frozen=True)
-class EncoderConfig:
+class EncoderConfig(ServerOptions):
     """An encoder instance: images in, embeddings for the language model out."""
 
     model: str = ""
@@ -26,17 +26,11 @@ class EncoderConfig:
     """"cpu", "cuda" or "auto"."""
     max_images_per_request: int = 8
     """Most images in one request."""
-    host: str = "127.0.0.1"
-    """Address to bind gRPC and /metrics to; 0.0.0.0 in a container."""
     port: int = 50051
     """gRPC port; 0 picks a free one."""
-    metrics_port: int | None = None
-    """Prometheus /metrics HTTP port; 0 picks a free one, none disables it."""
-    drain_timeout_s: float = 30.0
-    """On SIGTERM, how long in-flight requests get to finish."""
 
     def __post_init__(self) -> None:
-        ServerOptions.from_config(self)
+        super().__post_init__()
         check(self.image_size > 0 and self.patch_size > 0 and self.image_size % self.patch_size == 0,
               "image_size", "must be a positive multiple of patch_size")
         check(self.max_images_per_request > 0, "max_images_per_request", "must be > 0")

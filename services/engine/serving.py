@@ -34,18 +34,10 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class ServingConfig(EngineConfig):
+class ServingConfig(EngineConfig, ServerOptions):
     """Settings every engine service (prefill, decode) has: the engine's, the server's, the
     transfer engine's. Each service subclasses it with its own default ports."""
 
-    host: str = "127.0.0.1"
-    """Address to bind gRPC, /metrics and the KV data server to; 0.0.0.0 in a container."""
-    port: int = 0
-    """gRPC port; 0 picks a free one."""
-    metrics_port: int | None = None
-    """Prometheus /metrics HTTP port; 0 picks a free one, none disables it."""
-    drain_timeout_s: float = 30.0
-    """On SIGTERM, how long in-flight requests get to finish."""
     instance_id: str = ""
     """Name in load reports and logs; empty: the role and a random suffix."""
     transfer_port: int = 0
@@ -56,8 +48,8 @@ class ServingConfig(EngineConfig):
     """Token id of image placeholder positions (their embeddings come from the encoder)."""
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        ServerOptions.from_config(self)
+        EngineConfig.__post_init__(self)
+        ServerOptions.__post_init__(self)
         check(0 <= self.transfer_port <= 65535, "transfer_port", "must be in 0..65535 (0: a free port)")
 
 
