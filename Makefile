@@ -30,6 +30,7 @@ test: setup
 bench: setup
 	$(BIN)/python benchmarks/engine_throughput.py
 	$(BIN)/python benchmarks/kv_transfer.py
+	$(BIN)/python benchmarks/trace_hits.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
