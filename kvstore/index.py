@@ -44,8 +44,9 @@ class BlockIndex(ABC):
         """How many leading ``hashes`` are live here; renews each of them (their TTL and LRU)."""
 
     @abstractmethod
-    def insert(self, block_hash: Hashable, ttl_s: float) -> list[Hashable]:
-        """Record a block (or renew it); returns the blocks evicted to make room."""
+    def insert(self, block_hash: Hashable, ttl_s: float, expires_at: float | None = None) -> list[Hashable]:
+        """Record a block (or renew it) until ``expires_at`` (default: now + ttl_s); returns the
+        blocks evicted to make room."""
 
     @abstractmethod
     def remove(self, block_hash: Hashable) -> bool:
@@ -82,7 +83,7 @@ class EmbeddedIndex(BlockIndex):
             num_hits += 1
         return num_hits
 
-    def insert(self, block_hash: Hashable, ttl_s: float) -> list[Hashable]:
+    def insert(self, block_hash: Hashable, ttl_s: float, expires_at: float | None = None) -> list[Hashable]:
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0 (got {ttl_s!r})")
         now = self.clock()
@@ -94,7 +95,7 @@ class EmbeddedIndex(BlockIndex):
         evicted = []
         while len(self._entries) >= self.capacity_blocks:
             evicted.append(self._evict_one(now))
-        entry = Entry(now + ttl_s, ttl_s)
+        entry = Entry(now + ttl_s if expires_at is None else expires_at, ttl_s)
         self._entries[block_hash] = entry
         self._push_expiry(block_hash, entry)
         return evicted
