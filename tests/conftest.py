@@ -34,6 +34,45 @@ def tiny_chat_model_dir(tmp_path_factory, smollm2_dir):
     return make_tiny_chat_model_dir(tmp_path_factory.mktemp("tiny-chat"), smollm2_dir)
 
 
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real redis-server for the session (installed from Debian's packages when missing)."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    import redis
+
+    if shutil.which("redis-server") is None:
+        subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "redis-server"],
+                       check=False, capture_output=True)
+    if shutil.which("redis-server") is None:
+        pytest.fail("these tests need redis-server: apt-get install redis-server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
+                              stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                server.kill()
+                pytest.fail("redis-server did not start")
+            time.sleep(0.05)
+    client.close()
+    yield url
+    server.terminate()
+    server.wait(10)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _track_engines():
     """Record every LLMEngine built during the session (module-scoped ones included)."""

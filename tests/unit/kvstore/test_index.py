@@ -1,13 +1,17 @@
-"""The embedded block index: prefix lookups, TTLs renewed on hit, expired-first then LRU eviction."""
+"""The block index, embedded and in Redis (one suite, same answers): prefix lookups, TTLs renewed
+on hit, expired-first then LRU eviction."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
 from kvstore.index import EmbeddedIndex
 from kvstore.retention import DAY_S, Retention
+
+_prefixes = itertools.count()
 
 
 class Clock:
@@ -23,8 +27,23 @@ def clock():
     return Clock()
 
 
-def test_lookup_counts_the_leading_live_blocks_only(clock):
-    index = EmbeddedIndex(10, clock)
+@pytest.fixture(params=["embedded", "redis"])
+def make_index(request):
+    """Builds an index of either kind; Redis ones get a fresh key prefix each."""
+    if request.param == "embedded":
+        yield EmbeddedIndex
+        return
+    import redis
+
+    from kvstore.redis_index import RedisIndex
+
+    client = redis.Redis.from_url(request.getfixturevalue("redis_url"))
+    yield lambda capacity, clock: RedisIndex(client, capacity, clock, prefix=f"test:{next(_prefixes)}")
+    client.close()
+
+
+def test_lookup_counts_the_leading_live_blocks_only(make_index, clock):
+    index = make_index(10, clock)
     for h in "abc":
         index.insert(h, ttl_s=10)
     assert index.lookup(list("abc")) == 3
@@ -32,8 +51,8 @@ def test_lookup_counts_the_leading_live_blocks_only(clock):
     assert index.lookup(list("xabc")) == 0
 
 
-def test_ttl_expires_and_a_hit_renews_it(clock):
-    index = EmbeddedIndex(10, clock)
+def test_ttl_expires_and_a_hit_renews_it(make_index, clock):
+    index = make_index(10, clock)
     index.insert("a", ttl_s=10)
     index.insert("b", ttl_s=10)
     clock.now = 8
@@ -44,8 +63,8 @@ def test_ttl_expires_and_a_hit_renews_it(clock):
     assert index.lookup(["a"]) == 0 and not index.is_live("a")
 
 
-def test_expired_blocks_are_evicted_before_least_recently_used_ones(clock):
-    index = EmbeddedIndex(3, clock)
+def test_expired_blocks_are_evicted_before_least_recently_used_ones(make_index, clock):
+    index = make_index(3, clock)
     index.insert("short", ttl_s=5)
     index.insert("b", ttl_s=100)
     index.insert("c", ttl_s=100)
@@ -54,11 +73,10 @@ def test_expired_blocks_are_evicted_before_least_recently_used_ones(clock):
     clock.now = 7
     assert index.insert("d", ttl_s=100) == ["short"]
     assert index.insert("e", ttl_s=100) == ["b"]  # nothing expired: least recently used
-    assert (index.num_evicted_expired, index.num_evicted_lru) == (1, 1)
 
 
-def test_a_hit_protects_from_lru_eviction(clock):
-    index = EmbeddedIndex(2, clock)
+def test_a_hit_protects_from_lru_eviction(make_index, clock):
+    index = make_index(2, clock)
     index.insert("a", ttl_s=100)
     index.insert("b", ttl_s=100)
     index.lookup(["a"])
@@ -66,8 +84,8 @@ def test_a_hit_protects_from_lru_eviction(clock):
     assert index.lookup(["a"]) == 1 and index.lookup(["c"]) == 1
 
 
-def test_reinsert_renews_and_the_longer_ttl_wins(clock):
-    index = EmbeddedIndex(4, clock)
+def test_reinsert_renews_and_the_longer_ttl_wins(make_index, clock):
+    index = make_index(4, clock)
     index.insert("a", ttl_s=Retention().ttl_s("agent"))
     clock.now = DAY_S
     assert index.insert("a", ttl_s=Retention().ttl_s("chat")) == []
@@ -75,15 +93,15 @@ def test_reinsert_renews_and_the_longer_ttl_wins(clock):
     assert index.lookup(["a"]) == 1 and len(index) == 1
 
 
-def test_remove(clock):
-    index = EmbeddedIndex(4, clock)
+def test_remove(make_index, clock):
+    index = make_index(4, clock)
     index.insert("a", ttl_s=10)
     assert index.remove("a") and not index.remove("a") and index.lookup(["a"]) == 0
 
 
-def test_random_replay_never_exceeds_capacity_and_agrees_with_a_model(clock):
+def test_random_replay_never_exceeds_capacity_and_agrees_with_a_model(make_index, clock):
     rng = random.Random(0)
-    index = EmbeddedIndex(50, clock)
+    index = make_index(50, clock)
     model: dict[str, list[float]] = {}  # block -> [expires_at, ttl], told of every eviction
     for step in range(5000):
         clock.now = step * 0.1
@@ -101,7 +119,34 @@ def test_random_replay_never_exceeds_capacity_and_agrees_with_a_model(clock):
             if expected:
                 model[block][0] = clock.now + model[block][1]
         assert len(index) == len(model) <= 50
-    assert index.num_evicted_expired > 0 and index.num_evicted_lru > 0
+
+
+def test_two_redis_indexes_on_one_server_share_what_is_stored(redis_url, clock):
+    import redis
+
+    from kvstore.redis_index import RedisIndex
+
+    client = redis.Redis.from_url(redis_url)
+    node_1 = RedisIndex(client, 10, clock, prefix="shared")
+    node_2 = RedisIndex(redis.Redis.from_url(redis_url), 10, clock, prefix="shared")
+    node_1.insert(b"\x01" * 32, ttl_s=100)
+    assert node_2.lookup([b"\x01" * 32]) == 1 and len(node_2) == 1
+    assert node_2.remove(b"\x01" * 32) and node_1.lookup([b"\x01" * 32]) == 0
+    ttl_ms = client.pttl("shared:b:" + "01" * 32)
+    assert ttl_ms == -2  # removed keys are gone from Redis too
+    node_1.insert(b"\x02" * 32, ttl_s=100)
+    assert 0 < client.pttl("shared:b:" + "02" * 32) <= 100_000  # the key's TTL follows the block's
+    client.close()
+    node_2.client.close()
+
+
+def test_embedded_index_counts_why_it_evicted(clock):
+    index = EmbeddedIndex(1, clock)
+    index.insert("a", ttl_s=1)
+    clock.now = 2
+    index.insert("b", ttl_s=10)
+    index.insert("c", ttl_s=10)
+    assert (index.num_evicted_expired, index.num_evicted_lru) == (1, 1)
 
 
 def test_retention_defaults_and_bad_input():
