@@ -20,7 +20,7 @@ from services.encoder.config import EncoderConfig
 from services.encoder.servicer import EncoderServicer
 from services.encoder.vision import VisionConfig
 from services.encoder.worker import EncoderWorker
-from services.engine.models.loader import load_model
+from services.engine.models.loader import load_model_config
 from services.pb import encoder_pb2_grpc
 
 
@@ -31,7 +31,7 @@ def tower_id(vision: VisionConfig) -> bytes:
 
 
 async def run(config: EncoderConfig) -> int:
-    hidden_size = load_model(config.model or None).config.hidden_size
+    hidden_size = load_model_config(config.model or None).hidden_size
     vision = VisionConfig(out_hidden_size=hidden_size, image_size=config.image_size,
                           patch_size=config.patch_size, seed=config.seed, weights=config.weights or None)
     worker = EncoderWorker(vision, device=config.device)

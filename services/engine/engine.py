@@ -45,15 +45,13 @@ class KVBlock:
 class Handoff:
     """A request detached after its first token(s), its prompt's KV blocks still held here.
 
-    ``block_ids`` hold the KV of the first ``num_tokens`` tokens (the prompt; the last block
-    may be partial). They stay allocated until :meth:`LLMEngine.release_handoff`.
+    ``block_ids`` hold the KV of the prompt (its last block may be partial). They stay allocated until :meth:`LLMEngine.release_handoff`.
     """
 
     request_id: RequestId
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     block_ids: list[BlockId]
-    num_tokens: int
     num_cached_tokens: int
 
 
@@ -115,9 +113,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, bs, self.root, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len, eos)
-        kv_buffer = kv_allocator(num_blocks * kv_block_bytes(cfg, bs, dtype)) if kv_allocator else None
-        self.runner = ModelRunner(cfg, loaded.weights, num_blocks, bs, device, dtype, eos, kv_buffer)
         self.kv_block_bytes = kv_block_bytes(cfg, bs, dtype)
+        kv_buffer = kv_allocator(num_blocks * self.kv_block_bytes) if kv_allocator else None
+        self.runner = ModelRunner(cfg, loaded.weights, num_blocks, bs, device, dtype, eos, kv_buffer)
         self._states: dict[RequestId, OutputState] = {}
         self.last_step_num_tokens = 0
         self._num_handoff_blocks = 0
@@ -282,7 +280,7 @@ class LLMEngine:
         block_ids = self.scheduler.detach(seq)
         self._num_handoff_blocks += len(block_ids)
         return Handoff(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, block_ids,
-                       seq.num_computed_tokens, seq.num_cached_tokens)
+                       seq.num_cached_tokens)
 
     def release_handoff(self, handoff: Handoff) -> None:
         self._num_handoff_blocks -= len(handoff.block_ids)

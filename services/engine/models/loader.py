@@ -59,15 +59,29 @@ class LoadedModel:
 
 def load_model(model: str | None = None, cache_dir: str | os.PathLike | None = None) -> LoadedModel:
     """Resolve ``model`` (see module docstring) and load it; ModelNotFoundError if it is neither."""
+    return load_hf_dir(*resolve_model_dir(model, cache_dir))
+
+
+def load_model_config(model: str | None = None, cache_dir: str | os.PathLike | None = None) -> ModelConfig:
+    """Only the model's config (no weights): what a service that just needs its shape reads."""
+    path, name = resolve_model_dir(model, cache_dir)
+    try:
+        return ModelConfig.from_hf_dict(_read_json(path / "config.json"), name=name)
+    except (KeyError, json.JSONDecodeError) as exc:
+        raise ModelNotFoundError(f"{path / 'config.json'}: not a usable model config ({exc!r})") from exc
+
+
+def resolve_model_dir(model: str | None, cache_dir: str | os.PathLike | None = None) -> tuple[Path, str]:
+    """The Hugging Face directory ``model`` loads from (a GGUF is converted once) and its name."""
     if model is None or model.lower() in _DEFAULT_ALIASES:
-        return _load_gguf(default_gguf_path(), cache_dir, name=DEFAULT_MODEL)
+        return _converted_gguf(default_gguf_path(), cache_dir), DEFAULT_MODEL
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, cache_dir, name=path.stem)
+        return _converted_gguf(path, cache_dir), path.stem
     if path.is_dir():
         if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
             raise ModelNotFoundError(f"{path}: expected a model directory with config.json and *.safetensors")
-        return load_hf_dir(path, name=path.name)
+        return path, path.name
     raise ModelNotFoundError(
         f"model {model!r}: {path} is not a .gguf file or a directory with config.json and *.safetensors "
         f"(or use {DEFAULT_MODEL!r})"
@@ -102,11 +116,11 @@ def gguf_cache_path(gguf_path: Path, cache_dir: str | os.PathLike | None = None)
     return cache_root(cache_dir) / f"{gguf_path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
 
 
-def _load_gguf(gguf_path: Path, cache_dir: str | os.PathLike | None, name: str) -> LoadedModel:
+def _converted_gguf(gguf_path: Path, cache_dir: str | os.PathLike | None) -> Path:
     target = gguf_cache_path(gguf_path, cache_dir)
     if not (target / "config.json").is_file():
         convert_gguf(gguf_path, target)
-    return load_hf_dir(target, name=name)
+    return target
 
 
 def convert_gguf(gguf_path: Path, target: Path) -> None:

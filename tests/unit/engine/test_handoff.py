@@ -42,7 +42,7 @@ def prefill_then_decode(prefill: LLMEngine, decode: LLMEngine, prompt: list[int]
         if outs:
             break
     handoff = prefill.detach(rid)
-    assert handoff.num_tokens == len(prompt) and len(handoff.output_token_ids) == 1
+    assert handoff.prompt_token_ids == prompt and len(handoff.output_token_ids) == 1
     decode.add_request(prompt, params, rid, output_token_ids=handoff.output_token_ids, hold_for_kv=True)
     reservation = decode.reserve_kv(rid)
     assert reservation is not None and len(reservation.block_ids) == len(handoff.block_ids)
