@@ -47,6 +47,16 @@ def make_tiny_chat_model_dir(path: Path, tokenizer_dir: Path, seed: int = 0) -> 
     return path
 
 
+class ManualClock:
+    """A clock tests move by hand (``clock.now += 10``), for the code that takes one."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def random_prompts(n: int, lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     # Ids from 3 up: 0-2 are special (pad/bos/eos) in the tiny configs.

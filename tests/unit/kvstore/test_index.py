@@ -10,21 +10,14 @@ import pytest
 
 from kvstore.index import EmbeddedIndex
 from kvstore.retention import DAY_S, Retention
+from tests.factories import ManualClock
 
 _prefixes = itertools.count()
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def clock():
-    return Clock()
+    return ManualClock()
 
 
 @pytest.fixture(params=["embedded", "redis"])

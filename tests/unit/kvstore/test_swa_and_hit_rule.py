@@ -6,21 +6,14 @@ import pytest
 
 from kvstore.hit_rule import ModelKVShape, hit_tokens
 from kvstore.swa import SWAPool
+from tests.factories import ManualClock
 
 PLAIN = ModelKVShape()
 SWA = ModelKVShape(sliding_window=128, lookback=6)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_swa_entries_live_180_s_from_their_last_hit():
-    clock = Clock()
+    clock = ManualClock()
     pool = SWAPool(capacity_entries=2, clock=clock)
     pool.put(b"seq", 512, b"window")
     clock.now = 170
@@ -33,7 +26,7 @@ def test_swa_entries_live_180_s_from_their_last_hit():
 
 
 def test_swa_pool_stays_within_capacity():
-    pool = SWAPool(capacity_entries=2, clock=Clock())
+    pool = SWAPool(capacity_entries=2, clock=ManualClock())
     for end in (16, 32, 48):
         pool.put(b"seq", end, b"x")
     assert len(pool) == 2 and not pool.lookup(b"seq", 16) and pool.lookup(b"seq", 48)

@@ -9,18 +9,11 @@ import pytest
 
 from kvstore.hashing import block_hashes, root_hash
 from kvstore.tiers import DiskTier, HostTier
+from tests.factories import ManualClock
 
 BLOCK = 4096
 ROOT = root_hash(model="m", block_size=16, dtype="float32")
 HASHES = block_hashes(list(range(16 * 40)), 16, ROOT)  # 40 chained block hashes
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def data(i: int) -> np.ndarray:
@@ -29,7 +22,7 @@ def data(i: int) -> np.ndarray:
 
 @pytest.fixture
 def clock():
-    return Clock()
+    return ManualClock(1000.0)
 
 
 def test_host_tier_round_trip_ttl_and_capacity(clock):

@@ -3,14 +3,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.transfer import LeaseTable
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.factories import ManualClock
 
 
 def test_release_runs_on_release_exactly_once():
@@ -24,7 +17,7 @@ def test_release_runs_on_release_exactly_once():
 
 
 def test_expiry_with_a_moved_clock():
-    clock, released = Clock(), []
+    clock, released = ManualClock(100.0), []
     leases = LeaseTable(ttl_s=5.0, clock=clock)
     leases.grant(lambda: released.append("old"), lease_id="old")
     clock.now += 3
