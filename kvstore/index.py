@@ -39,9 +39,19 @@ class Entry:
 
 
 class BlockIndex(ABC):
-    @abstractmethod
     def lookup(self, hashes: Sequence[Hashable]) -> int:
-        """How many leading ``hashes`` are live here; renews each of them (their TTL and LRU)."""
+        """How many leading ``hashes`` are live here; renews each of them (their TTL and LRU).
+        (Indexes override this with one pass; here it is defined by :meth:`present`.)"""
+        num_hits = 0
+        for block_hash in hashes:
+            if not self.present([block_hash])[0]:
+                break
+            num_hits += 1
+        return num_hits
+
+    @abstractmethod
+    def present(self, hashes: Sequence[Hashable]) -> list[bool]:
+        """Which of ``hashes`` are live here (each on its own, not just a prefix); renews those."""
 
     @abstractmethod
     def insert(self, block_hash: Hashable, ttl_s: float, expires_at: float | None = None) -> list[Hashable]:
@@ -51,6 +61,10 @@ class BlockIndex(ABC):
     @abstractmethod
     def remove(self, block_hash: Hashable) -> bool:
         """Forget a block (its data failed a checksum, say); False if it was not there."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget every block (a node whose memory is new starts empty)."""
 
     @abstractmethod
     def __len__(self) -> int:
@@ -83,6 +97,17 @@ class EmbeddedIndex(BlockIndex):
             num_hits += 1
         return num_hits
 
+    def present(self, hashes: Sequence[Hashable]) -> list[bool]:
+        now = self.clock()
+        found = []
+        for block_hash in hashes:
+            entry = self._entries.get(block_hash)
+            is_live = entry is not None and entry.expires_at > now
+            if is_live:
+                self._renew(block_hash, entry, now)
+            found.append(is_live)
+        return found
+
     def insert(self, block_hash: Hashable, ttl_s: float, expires_at: float | None = None) -> list[Hashable]:
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0 (got {ttl_s!r})")
@@ -102,6 +127,14 @@ class EmbeddedIndex(BlockIndex):
 
     def remove(self, block_hash: Hashable) -> bool:
         return self._entries.pop(block_hash, None) is not None
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._expiry.clear()
+
+    def items(self) -> list[tuple[Hashable, Entry]]:
+        """Every block held (expired ones too), least recently used first."""
+        return list(self._entries.items())
 
     def is_live(self, block_hash: Hashable) -> bool:
         entry = self._entries.get(block_hash)

@@ -24,22 +24,27 @@ import redis
 
 from kvstore.index import BlockIndex, Clock
 
+# ARGV: now, is_prefix ("1": stop at the first miss), hashes...; returns 1/0 per hash looked at.
 _LOOKUP = """
 local now = tonumber(ARGV[1])
-local hits = 0
-for i, h in ipairs(ARGV) do
-  if i > 1 then
-    local expires = redis.call('ZSCORE', KEYS[1], h)
-    if not expires or tonumber(expires) <= now then break end
+local found = {}
+for i = 3, #ARGV do
+  local h = ARGV[i]
+  local is_live = 0
+  local expires = redis.call('ZSCORE', KEYS[1], h)
+  if expires and tonumber(expires) > now then
     local ttl = tonumber(redis.call('GET', KEYS[3] .. h) or '0')
-    if ttl <= 0 then break end
-    redis.call('ZADD', KEYS[1], now + ttl, h)
-    redis.call('ZADD', KEYS[2], redis.call('INCR', KEYS[4]), h)
-    redis.call('PEXPIRE', KEYS[3] .. h, math.ceil(ttl * 1000))
-    hits = hits + 1
+    if ttl > 0 then
+      redis.call('ZADD', KEYS[1], now + ttl, h)
+      redis.call('ZADD', KEYS[2], redis.call('INCR', KEYS[4]), h)
+      redis.call('PEXPIRE', KEYS[3] .. h, math.ceil(ttl * 1000))
+      is_live = 1
+    end
   end
+  if is_live == 0 and ARGV[2] == '1' then break end
+  table.insert(found, is_live)
 end
-return hits
+return found
 """
 
 _INSERT = """
@@ -84,7 +89,20 @@ class RedisIndex(BlockIndex):
     def lookup(self, hashes: Sequence[Hashable]) -> int:
         if not hashes:
             return 0
-        return int(self._lookup(keys=self._keys, args=[repr(self.clock()), *map(_member, hashes)]))
+        return len(self._lookup(keys=self._keys, args=[repr(self.clock()), "1", *map(_member, hashes)]))
+
+    def present(self, hashes: Sequence[Hashable]) -> list[bool]:
+        if not hashes:
+            return []
+        found = self._lookup(keys=self._keys, args=[repr(self.clock()), "0", *map(_member, hashes)])
+        return [bool(x) for x in found]
+
+    def clear(self) -> None:
+        """Forget every block of this index (a store node whose memory is new starts empty)."""
+        prefix = self._keys[2]
+        for batch in _batches(self.client.scan_iter(match=prefix + "*", count=1000)):
+            self.client.delete(*batch)
+        self.client.delete(self._keys[0], self._keys[1], self._keys[3])
 
     def insert(self, block_hash: Hashable, ttl_s: float, expires_at: float | None = None) -> list[Hashable]:
         if not ttl_s > 0:
@@ -108,6 +126,17 @@ class RedisIndex(BlockIndex):
         return int(self.client.zcard(self._keys[1]))
 
 
+def _batches(items, size: int = 500):
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
 def _member(block_hash: Hashable) -> str:
     """Block hashes are bytes (hex in Redis); tests may use short strings."""
     return block_hash.hex() if isinstance(block_hash, bytes) else f"s:{block_hash}"
@@ -116,3 +145,39 @@ def _member(block_hash: Hashable) -> str:
 def _from_member(member: bytes | str) -> Hashable:
     text = member.decode() if isinstance(member, bytes) else member
     return text[2:] if text.startswith("s:") else bytes.fromhex(text)
+
+
+class NodeRegistry:
+    """The store nodes sharing one Redis: each announces its gRPC address under a key that
+    expires unless renewed, so a node that dies drops out of :meth:`live` within ``ttl_s``.
+
+    ``{prefix}:nodes`` (set of node ids) · ``{prefix}:alive:<id>`` (its address, PX ttl) ·
+    ``{prefix}:n:<id>:...`` (that node's block index).
+    """
+
+    def __init__(self, client: redis.Redis, prefix: str = "epd:kv", ttl_s: float = 5.0) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+
+    def index_of(self, node_id: str, capacity_blocks: int = 1, clock: Clock = time.time) -> RedisIndex:
+        """A node's block index (the capacity matters only to the node that inserts)."""
+        return RedisIndex(self.client, capacity_blocks, clock, prefix=f"{self.prefix}:n:{node_id}")
+
+    def announce(self, node_id: str, address: str) -> None:
+        """Register or renew a node; call it more often than every ``ttl_s``."""
+        pipe = self.client.pipeline()
+        pipe.sadd(f"{self.prefix}:nodes", node_id)
+        pipe.set(f"{self.prefix}:alive:{node_id}", address, px=int(self.ttl_s * 1000))
+        pipe.execute()
+
+    def withdraw(self, node_id: str) -> None:
+        self.client.delete(f"{self.prefix}:alive:{node_id}")
+
+    def live(self) -> dict[str, str]:
+        """node id -> gRPC address of every node whose announcement has not expired."""
+        node_ids = sorted(m.decode() for m in self.client.smembers(f"{self.prefix}:nodes"))
+        if not node_ids:
+            return {}
+        addresses = self.client.mget([f"{self.prefix}:alive:{n}" for n in node_ids])
+        return {n: a.decode() for n, a in zip(node_ids, addresses) if a is not None}

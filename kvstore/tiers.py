@@ -40,34 +40,76 @@ _SEGMENT_PREFIX = "segment-"
 
 
 class HostTier:
+    """Block slots in one registered region: ``capacity_blocks`` for stored blocks plus
+    ``num_staging_slots`` that incoming blocks land in before they are committed (so a block
+    being written is never visible, and a full tier still accepts writes)::
+
+        take_slot() --> read data into block(slot) --> commit(hash, slot) | abandon(slot)
+
+    A pinned slot (lent to a reader) is never reused: evicting its block frees the slot only
+    when the last pin goes.
+    """
+
     def __init__(self, block_bytes: int, capacity_blocks: int, clock: Clock = time.time,
-                 shm: bool = True, region_id: str | None = None) -> None:
+                 shm: bool = True, region_id: str | None = None, num_staging_slots: int = 64) -> None:
         self.block_bytes = block_bytes
+        self.capacity_blocks = capacity_blocks
         self.index = EmbeddedIndex(capacity_blocks, clock)
-        self.region = MemoryRegion.allocate(block_bytes * capacity_blocks, region_id=region_id, shm=shm)
+        num_slots = capacity_blocks + num_staging_slots
+        self.region = MemoryRegion.allocate(block_bytes * num_slots, region_id=region_id, shm=shm)
         self._slots: dict[Hashable, int] = {}
-        self._free = list(range(capacity_blocks - 1, -1, -1))
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._pins: dict[int, int] = {}
+        self._evicted_pinned: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self._slots)
 
     def lookup(self, hashes: Sequence[Hashable]) -> int:
         return self.index.lookup(hashes)
 
-    def put(self, block_hash: Hashable, data, ttl_s: float) -> int:
-        """Store (or renew) a block; returns its slot. Evicted blocks give their slots back."""
-        if len(memoryview(data).cast("B")) != self.block_bytes:
-            raise ValueError(f"a block is {self.block_bytes} bytes, not {len(memoryview(data).cast('B'))}")
+    def take_slot(self) -> int | None:
+        """A free slot for an incoming block; None: every spare slot is busy."""
+        return self._free.pop() if self._free else None
+
+    def abandon(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def commit(self, block_hash: Hashable, slot: int, ttl_s: float) -> int:
+        """The slot now holds the block: index it (evicting as needed). Returns its slot; when
+        the block was already here the new slot goes back and the old one is returned."""
         for gone in self.index.insert(block_hash, ttl_s):
-            self._free.append(self._slots.pop(gone))
-        slot = self._slots.get(block_hash)
-        if slot is None:
-            slot = self._slots[block_hash] = self._free.pop()
-            self.block(slot)[:] = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+            self._release_slot(self._slots.pop(gone))
+        old = self._slots.get(block_hash)
+        if old is not None:
+            self._free.append(slot)
+            return old
+        self._slots[block_hash] = slot
         return slot
+
+    def put(self, block_hash: Hashable, data, ttl_s: float) -> int | None:
+        """Store (or renew) a block from bytes; its slot, or None when no slot is spare."""
+        view = memoryview(data).cast("B")
+        if len(view) != self.block_bytes:
+            raise ValueError(f"a block is {self.block_bytes} bytes, not {len(view)}")
+        if self.slot_of(block_hash) is not None:
+            return self.commit(block_hash, self._slots[block_hash], ttl_s)
+        slot = self.take_slot()
+        if slot is None:
+            return None
+        self.block(slot)[:] = np.frombuffer(view, dtype=np.uint8)
+        return self.commit(block_hash, slot, ttl_s)
+
+    def remove(self, block_hash: Hashable) -> bool:
+        if not self.index.remove(block_hash):
+            return False
+        self._release_slot(self._slots.pop(block_hash))
+        return True
 
     def get(self, block_hash: Hashable) -> np.ndarray | None:
         """The live block's bytes (a view into the pool), or None."""
-        if not self.index.is_live(block_hash):
-            return None
-        return self.block(self._slots[block_hash])
+        slot = self.slot_of(block_hash)
+        return None if slot is None else self.block(slot)
 
     def slot_of(self, block_hash: Hashable) -> int | None:
         return self._slots.get(block_hash) if self.index.is_live(block_hash) else None
@@ -75,8 +117,29 @@ class HostTier:
     def block(self, slot: int) -> np.ndarray:
         return self.region.buffer[slot * self.block_bytes:(slot + 1) * self.block_bytes]
 
+    def pin(self, slot: int) -> None:
+        self._pins[slot] = self._pins.get(slot, 0) + 1
+
+    def unpin(self, slot: int) -> None:
+        self._pins[slot] -= 1
+        if self._pins[slot] == 0:
+            del self._pins[slot]
+            if slot in self._evicted_pinned:
+                self._evicted_pinned.discard(slot)
+                self._free.append(slot)
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self._pins)
+
     def close(self) -> None:
         self.region.close()
+
+    def _release_slot(self, slot: int) -> None:
+        if slot in self._pins:
+            self._evicted_pinned.add(slot)
+        else:
+            self._free.append(slot)
 
 
 @dataclass
@@ -134,6 +197,23 @@ class DiskTier:
             if self.index.remove(block_hash):
                 self._forget(block_hash)
         return None
+
+    def remove(self, block_hash: Hashable) -> bool:
+        """Forget a block (its record becomes dead); False if it was not here."""
+        with self._lock:
+            if not self.index.remove(block_hash):
+                return False
+            self._forget(block_hash)
+            return True
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self.index)
+
+    def entries(self) -> list[tuple[Hashable, float, float]]:
+        """(hash, expires_at, ttl_s) of every block held, e.g. to rebuild another index."""
+        with self._lock:
+            return [(h, e.expires_at, e.ttl_s) for h, e in self.index.items()]
 
     def flush(self) -> None:
         self._writes.join()

@@ -2,6 +2,7 @@
 
 Life cycle::
 
+    start KV store nodes --wait for gRPC health SERVING--
     start encoders, prefills, decodes (free ports) --wait for gRPC health SERVING--
     start the router --wait for HTTP /health 200-- print the endpoints
     wait: Ctrl-C / SIGTERM, or a child exits on its own
@@ -66,12 +67,37 @@ class UpConfig:
     """How long the instances get to load the model and report healthy."""
     stop_timeout_s: float = 30.0
     """On Ctrl-C / SIGTERM, how long children get to drain before SIGKILL."""
+    kvstores: int = 1
+    """KV store nodes (shared prefix KV for every prefill); 0: none, each instance only has
+    its own prefix cache."""
+    redis: str = ""
+    """Redis URL the store nodes share their block indexes through; empty: each node keeps its
+    index in its own memory."""
+    kvstore_replicas: int = 1
+    """Store nodes each block is written to (2 survives the loss of a node)."""
+    kvstore_capacity_mib: int = 1024
+    """Host-memory tier of each store node."""
+    kvstore_dir: str = ""
+    """Directory for the store nodes' disk tiers (kept across restarts, one subdirectory per
+    node); empty: ~/.cache/epd/kvstore; "none": memory only."""
+    kvstore_disk_gib: float = 8.0
+    """Disk tier of each store node."""
 
     def __post_init__(self) -> None:
         check(self.encoders >= 0, "encoders", "must be >= 0")
         check(self.prefills >= 1, "prefills", "needs at least one prefill instance")
         check(self.decodes >= 1, "decodes", "needs at least one decode instance")
         check(0 <= self.port <= 65535, "port", "must be in 0..65535")
+        check(self.kvstores >= 0, "kvstores", "must be >= 0")
+        check(1 <= self.kvstore_replicas <= max(1, self.kvstores), "kvstore_replicas",
+              "must be between 1 and the number of store nodes")
+
+    def kvstore_disk_dir(self, node: int) -> str:
+        if self.kvstore_dir == "none":
+            return ""
+        root = Path(self.kvstore_dir) if self.kvstore_dir else Path(
+            os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "epd" / "kvstore"
+        return str(root / f"kvstore-{node}")
 
 
 @dataclass
@@ -132,20 +158,33 @@ class Cluster:
         self.children.append(child)
         return child
 
-    def _engine_args(self) -> list[str]:
+    def _engine_args(self, kvstores: list[Child]) -> list[str]:
         c = self.config
         args = ["--kv-cache-gib", str(c.kv_cache_gib), "--max-num-batched-tokens",
                 str(c.max_num_batched_tokens), "--device", c.device]
+        args += [arg for child in kvstores for arg in ("--kvstore", child.address)]
+        if kvstores:
+            args += ["--kvstore-replicas", str(c.kvstore_replicas)]
         return args + (["--model", c.model] if c.model else [])
+
+    def _kvstore_args(self, node: int) -> list[str]:
+        c = self.config
+        args = ["--node-id", f"kvstore-{node}", "--host-capacity-mib", str(c.kvstore_capacity_mib),
+                "--disk-capacity-gib", str(c.kvstore_disk_gib)]
+        if disk_dir := c.kvstore_disk_dir(node):
+            args += ["--disk-dir", disk_dir]
+        return args + (["--redis-url", c.redis] if c.redis else [])
 
     async def start(self) -> str:
         """Start every process; the router's base URL once everything is healthy."""
         c = self.config
+        kvstores = [self._spawn(f"kvstore-{i}", "services.kvstore", self._kvstore_args(i)) for i in range(c.kvstores)]
+        await self._wait_healthy(kvstores)
         encoders = [self._spawn(f"encoder-{i}", "services.encoder", ["--model", c.model] if c.model else [])
                     for i in range(c.encoders)]
-        prefills = [self._spawn(f"prefill-{i}", "services.prefill", self._engine_args() + ["--instance-id", f"prefill-{i}"])
+        prefills = [self._spawn(f"prefill-{i}", "services.prefill", self._engine_args(kvstores) + ["--instance-id", f"prefill-{i}"])
                     for i in range(c.prefills)]
-        decodes = [self._spawn(f"decode-{i}", "services.decode", self._engine_args() + ["--instance-id", f"decode-{i}"])
+        decodes = [self._spawn(f"decode-{i}", "services.decode", self._engine_args(kvstores) + ["--instance-id", f"decode-{i}"])
                    for i in range(c.decodes)]
         await self._wait_healthy(encoders + prefills + decodes)
         router_args = [arg for child in prefills for arg in ("--prefill", child.address)]
@@ -160,7 +199,8 @@ class Cluster:
         return url
 
     async def _wait_healthy(self, children: list[Child]) -> None:
-        services = {"encoder": "epd.v1.Encoder", "prefill": "epd.v1.Prefill", "decode": "epd.v1.Decode"}
+        services = {"encoder": "epd.v1.Encoder", "prefill": "epd.v1.Prefill", "decode": "epd.v1.Decode",
+                    "kvstore": "epd.v1.KVStore"}
 
         async def one(child: Child) -> None:
             service = services[child.name.split("-")[0]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.wire import LoadReport, load_from_proto
 from services.launcher import Cluster, UpConfig, free_port
-from services.pb import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from services.pb import common_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, prefill_pb2_grpc
 
 
 @dataclass
@@ -34,8 +35,27 @@ class RunningCluster:
                     reports.append(load_from_proto(stub_class(channel).GetLoad(common_pb2.LoadRequest(), timeout=5)))
         return reports
 
+    def store_stats(self) -> list[kvstore_pb2.StoreStats]:
+        stats = []
+        for address in self.addresses("kvstore"):
+            with grpc.insecure_channel(address) as channel:
+                stats.append(kvstore_pb2_grpc.KVStoreStub(channel).GetStats(kvstore_pb2.StoreStatsRequest(), timeout=5))
+        return stats
+
+    def leftovers(self, timeout_s: float = 15.0) -> list[str]:
+        """What is still held anywhere once the cluster has had ``timeout_s`` to settle: busy
+        engines, leases, blocks out of the pools, store leases. [] when everything is free."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            held = [f"{r.role} {r.instance_id}: {r}" for r in self.loads() if not is_idle(r)]
+            held += [f"store {s.node_id}: {s.num_leases} leases" for s in self.store_stats() if s.num_leases]
+            if not held or time.monotonic() > deadline:
+                return held
+            time.sleep(0.1)
+
     def metric(self, role: str, name: str, **labels: str) -> float:
-        """A counter or gauge summed over every instance of ``role`` (from their /metrics)."""
+        """A counter or gauge summed over every instance whose name starts with ``role`` ("prefill",
+        or "prefill-1" for one instance), from their /metrics."""
         total = 0.0
         for child in self.cluster.children:
             if not child.name.startswith(role) or child.process.poll() is not None:
@@ -49,6 +69,8 @@ class RunningCluster:
 
 @contextlib.contextmanager
 def running_cluster(model: str, **settings) -> Iterator[RunningCluster]:
+    """``epd up`` with ``settings``; store nodes keep to memory (64 MiB) unless told otherwise."""
+    settings = {"kvstore_dir": "none", "kvstore_capacity_mib": 64, **settings}
     config = UpConfig(model=model, port=free_port("127.0.0.1"), **settings)
     cluster = Cluster(config)
     try:

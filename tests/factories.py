@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
+
+from kvstore.transfer import KVHandle, MemoryRegion, TransferEngine
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
@@ -61,3 +64,24 @@ def random_prompts(n: int, lengths: list[int], vocab: int = 512, seed: int = 0) 
     g = torch.Generator().manual_seed(seed)
     # Ids from 3 up: 0-2 are special (pad/bos/eos) in the tiny configs.
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths[:n]]
+
+
+BLOCK = 4096
+"""Block size of the KV store tests' blocks (real engines' are bigger; the store does not care)."""
+
+
+class KVWriter:
+    """An engine-like owner of blocks: a registered region and handles over its blocks."""
+
+    def __init__(self, transfer: TransferEngine, num_blocks: int = 64) -> None:
+        self.transfer = transfer
+        self.region = MemoryRegion.allocate(num_blocks * BLOCK)
+        transfer.register(self.region)
+        rng = np.random.default_rng(0)
+        self.region.buffer[:] = rng.integers(0, 256, num_blocks * BLOCK, dtype=np.uint8)
+
+    def block(self, i: int) -> np.ndarray:
+        return self.region.buffer[i * BLOCK:(i + 1) * BLOCK]
+
+    def handle(self, blocks: range) -> KVHandle:
+        return self.transfer.export(self.region.region_id, [(i * BLOCK, BLOCK) for i in blocks], "put")

@@ -61,6 +61,12 @@ class LeaseTable:
             lease.on_release()
         return [lease_id for lease_id, _ in expired]
 
+    def release_all(self) -> int:
+        """Release every lease now (the owner is shutting down); how many there were."""
+        with self._lock:
+            lease_ids = list(self._leases)
+        return sum(self.release(lease_id) for lease_id in lease_ids)
+
     def __len__(self) -> int:
         return len(self._leases)
 

@@ -43,6 +43,10 @@ class RequestSpec:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     images: tuple[ImageInput, ...] = ()
+    cache_salt: str = ""
+    """Joins the root of every block hash: requests with another salt never share its KV."""
+    request_class: str = "chat"
+    """"agent" or "chat": picks how long the KV store keeps the request's blocks."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,8 @@ def spec_to_proto(spec: RequestSpec) -> common_pb2.RequestSpec:
         request_id=spec.request_id, prompt_token_ids=list(spec.prompt_token_ids),
         params=params_to_proto(spec.params),
         images=[common_pb2.ImageInput(image_hash=i.image_hash, position=i.position,
-                                      embeddings=tensor_to_proto(i.embeddings)) for i in spec.images])
+                                      embeddings=tensor_to_proto(i.embeddings)) for i in spec.images],
+        cache_salt=spec.cache_salt, request_class=spec.request_class)
 
 
 def spec_from_proto(msg: common_pb2.RequestSpec) -> RequestSpec:
@@ -118,7 +123,8 @@ def spec_from_proto(msg: common_pb2.RequestSpec) -> RequestSpec:
         request_id=msg.request_id, prompt_token_ids=tuple(msg.prompt_token_ids),
         params=params_from_proto(msg.params),
         images=tuple(ImageInput(i.image_hash, i.position, tensor_from_proto(i.embeddings))
-                     for i in msg.images))
+                     for i in msg.images),
+        cache_salt=msg.cache_salt, request_class=msg.request_class or "chat")
 
 
 def stop_reason_to_proto(reason: str | int | None) -> common_pb2.StopReason:

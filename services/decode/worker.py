@@ -10,6 +10,8 @@
                  --> done:   commit, the request joins continuous batching at its next token
                      failed: recompute the prompt here (same tokens, only slower)
                  --> stream token chunks until finished; a cancelled RPC aborts the request
+                 --> finished: the KV of prompt and answer goes to the KV store in the
+                     background, so the conversation's next turn hits both
 
 The first output token came from prefill; decode continues after it, so its seeded sampling
 stream and penalties pick up exactly where prefill left off.
@@ -24,12 +26,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from kvstore.transfer.descriptors import KVHandle
-from kvstore.transfer.state import TransferState
 from services.common import metrics
 from services.common.errors import UnavailableError
 from services.common.wire import LoadReport, RequestSpec
 from services.engine.engine import KVReservation
 from services.engine.serving import EngineInstance, mm_inputs
+from services.engine.store_connector import read_kv
 
 logger = logging.getLogger(__name__)
 TRANSFERS = metrics.counter("epd_kv_transfers_total", "KV hand-overs read by this decode instance, by result "
@@ -37,9 +39,7 @@ TRANSFERS = metrics.counter("epd_kv_transfers_total", "KV hand-overs read by thi
 TRANSFER_BYTES = metrics.counter("epd_kv_transfer_bytes_total", "KV bytes read from prefill instances.")
 TRANSFER_SECONDS = metrics.histogram("epd_kv_transfer_seconds", "Time to read one request's prompt KV.",
                                      buckets=metrics.INTER_TOKEN_BUCKETS_S)
-_POLL_S = 0.0005
 _NO_ROOM_WAIT_S = 0.01
-_TERMINAL = (TransferState.DONE, TransferState.FAILED)
 
 
 @dataclass(frozen=True)
@@ -76,11 +76,11 @@ class DecodeWorker:
         if self.is_draining:
             raise UnavailableError("this decode instance is draining")
         spec, engine = req.spec, self.instance.engine
-        rid = spec.request_id
+        rid, images = spec.request_id, mm_inputs(spec)
         try:
             stream = await engine.add(list(spec.prompt_token_ids), spec.params, rid,
                                       output_token_ids=req.output_token_ids, hold_for_kv=True,
-                                      mm_inputs=mm_inputs(spec))
+                                      mm_inputs=images, cache_salt=spec.cache_salt)
         except BaseException:
             if req.kv is not None:
                 await self._release(req.prefill_address, req.kv.lease_id)
@@ -97,6 +97,9 @@ class DecodeWorker:
             async for out in stream:
                 new = tuple(out.token_ids[num_sent:])
                 num_sent = len(out.token_ids)
+                if out.finished and self.instance.store is not None:
+                    self.instance.store.push_soon([*spec.prompt_token_ids, *out.token_ids], images,
+                                                  spec.cache_salt, spec.request_class)
                 yield TokenChunk(new, out.finish_reason, out.stop_reason, req.num_cached_tokens,
                                  not is_pulled)
         finally:
@@ -131,22 +134,13 @@ class DecodeWorker:
         destinations = [llm.block_buffer(b).numpy() for b in reservation.block_ids[skip:]]
         wanted = KVHandle(kv.lease_id, kv.owner, kv.regions, kv.blocks[skip:])
         started = time.perf_counter()
-        op = self.instance.transfer.read(wanted, destinations)
         self.num_transfers_in_flight += 1
         try:
-            while op.poll() not in _TERMINAL:
-                await asyncio.sleep(_POLL_S)
-        except BaseException:
-            # Cancelled: the blocks may not be freed while the transfer still writes them, and
-            # a second cancellation must not cut this wait short (it ends after one block).
-            op.cancel()
-            while op.poll() not in _TERMINAL:
-                time.sleep(_POLL_S)
-            raise
+            error = await read_kv(self.instance.transfer, wanted, destinations)
         finally:
             self.num_transfers_in_flight -= 1
-        if op.poll() is TransferState.FAILED:
-            logger.warning("KV transfer %s failed (%s): recomputing", kv.lease_id, op.error)
+        if error is not None:
+            logger.warning("KV transfer %s failed (%s): recomputing", kv.lease_id, error)
             return False
         TRANSFER_SECONDS.observe(time.perf_counter() - started)
         TRANSFER_BYTES.inc(wanted.num_bytes)

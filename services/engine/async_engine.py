@@ -88,7 +88,7 @@ class AsyncEngine:
     async def add(self, prompt: list[int], params: SamplingParams, request_id: str,
                   output_token_ids: tuple[int, ...] = (), hold_for_kv: bool = False,
                   detach_after_first_token: bool = False,
-                  mm_inputs: tuple[MultiModalInput, ...] = ()) -> "RequestStream":
+                  mm_inputs: tuple[MultiModalInput, ...] = (), cache_salt: str = "") -> "RequestStream":
         """Add a request (see :meth:`LLMEngine.add_request`); its outputs arrive on the stream.
 
         With ``detach_after_first_token`` the request leaves the engine right after its first
@@ -98,7 +98,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         try:
             await self.call(self._add, prompt, params, request_id, output_token_ids, hold_for_kv,
-                            detach_after_first_token, mm_inputs)
+                            detach_after_first_token, mm_inputs, cache_salt)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -109,8 +109,10 @@ class AsyncEngine:
         return len(self._streams)
 
     # ----- the engine thread ---------------------------------------------------------------
-    def _add(self, prompt, params, request_id, output_token_ids, hold_for_kv, detach, mm_inputs) -> None:
-        self.engine.add_request(prompt, params, request_id, output_token_ids, hold_for_kv, mm_inputs)
+    def _add(self, prompt, params, request_id, output_token_ids, hold_for_kv, detach, mm_inputs,
+             cache_salt) -> None:
+        self.engine.add_request(prompt, params, request_id, output_token_ids, hold_for_kv, mm_inputs,
+                                cache_salt)
         if detach:
             self._detach_after_first_token.add(request_id)
 

@@ -62,7 +62,7 @@ class BlockManager:
         start = len(seq.block_hashes)
         if (len(seq) // self.block_size) > start:
             parent = seq.block_hashes[-1] if start else None
-            seq.block_hashes.extend(block_hashes(seq.token_ids, self.block_size, self.root,
+            seq.block_hashes.extend(block_hashes(seq.token_ids, self.block_size, seq.root or self.root,
                                                  seq.block_extra_keys(self.block_size),
                                                  start=start, parent=parent))
         return seq.block_hashes
@@ -144,6 +144,18 @@ class BlockManager:
     def unpin(self, block_ids: list[BlockId]) -> None:
         for block_id in reversed(block_ids):
             self._release(block_id)
+
+    def allocate_blocks(self, num_blocks: int) -> list[BlockId] | None:
+        """Empty blocks, pinned, for KV that arrives before it may be found (see
+        :meth:`register`); None if the free queue cannot supply them."""
+        if num_blocks > self.num_free_blocks:
+            return None
+        return [self._take_free() for _ in range(num_blocks)]
+
+    def register(self, block_ids: list[BlockId], entries: list[tuple[BlockHash, tuple[int, ...]]]) -> None:
+        """The blocks now hold these hashes' KV: make them findable by the prefix cache."""
+        for block_id, (block_hash, token_ids) in zip(block_ids, entries, strict=True):
+            self._register(self.blocks[block_id], block_hash, token_ids)
 
     def allocate_cached(self, entries: list[tuple[BlockHash, tuple[int, ...]]]) -> list[BlockId | None] | None:
         """Reserve blocks for imported KV, pinned until the caller has written and unpinned them.

@@ -109,7 +109,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, num_blocks * bs)
         eos = tuple(cfg.eos_token_ids) or (self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.eos_token_ids = eos
-        self.root = root_hash(model=cfg.name, block_size=bs, dtype=str(dtype).removeprefix("torch."))
+        self._root_keys = dict(model=cfg.name, block_size=bs, dtype=str(dtype).removeprefix("torch."))
+        self.root = root_hash(**self._root_keys)
         self.block_manager = BlockManager(num_blocks, bs, self.root, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len, eos)
@@ -156,10 +157,12 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None, output_token_ids: Sequence_[int] = (),
-                    hold_for_kv: bool = False, mm_inputs: Sequence_[MultiModalInput] = ()) -> RequestId:
+                    hold_for_kv: bool = False, mm_inputs: Sequence_[MultiModalInput] = (),
+                    cache_salt: str = "") -> RequestId:
         """Queue a request. ``output_token_ids``: tokens another engine already generated for
         it (this engine continues after them). ``hold_for_kv``: its prompt KV will arrive from
-        another engine (:meth:`reserve_kv`, :meth:`commit_kv`), so it is not scheduled yet."""
+        another engine (:meth:`reserve_kv`, :meth:`commit_kv`), so it is not scheduled yet.
+        ``cache_salt``: only requests with the same salt share cached KV."""
         token_ids = self.validate(prompt, params)
         rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
         if rid in self._states:
@@ -171,7 +174,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"{len(outputs)} output tokens already exist: nothing is left to generate")
         self._check_mm_inputs(mm_inputs, len(token_ids))
-        seq = Sequence(rid, token_ids, params, mm_inputs=tuple(mm_inputs))
+        seq = Sequence(rid, token_ids, params, mm_inputs=tuple(mm_inputs), root=self.root_for(cache_salt))
         state = OutputState.create(seq, prompt if isinstance(prompt, str) else None, self.tokenizer)
         for token_id in outputs:
             seq.token_ids.append(token_id)
@@ -182,6 +185,9 @@ class LLMEngine:
         else:
             self.scheduler.add(seq)
         return rid
+
+    def root_for(self, cache_salt: str) -> BlockHash:
+        return self.root if not cache_salt else root_hash(**self._root_keys, salt=cache_salt)
 
     def _check_mm_inputs(self, mm_inputs: Sequence_[MultiModalInput], num_prompt_tokens: int) -> None:
         hidden = self.model_config.hidden_size
@@ -315,11 +321,45 @@ class LLMEngine:
         """One block's KV bytes in the pool (contiguous), what a transfer reads or writes."""
         return self.runner.block_view(block_id).view(torch.uint8).view(-1)
 
-    def export_kv(self, token_ids: list[int]) -> KVExport:
-        """Pin and expose the cached full blocks covering the longest prefix of ``token_ids``."""
+    def prompt_hashes(self, token_ids: list[int], mm_inputs: Sequence_[MultiModalInput] = (),
+                      cache_salt: str = "") -> tuple[list[BlockHash], int]:
+        """The hashes of a token sequence's full blocks, exactly as a request would have them,
+        and how many leading ones this engine's prefix cache holds."""
+        seq = Sequence(RequestId("probe"), list(token_ids), SamplingParams(), mm_inputs=tuple(mm_inputs),
+                       root=self.root_for(cache_salt))
+        hashes = self.block_manager.update_hashes(seq)
+        return hashes, len(self.block_manager.cached_prefix(seq.token_ids, hashes))
+
+    def reserve_prefix(self, token_ids: list[int], hashes: list[BlockHash], num_blocks: int) -> KVReservation | None:
+        """Blocks for the first ``num_blocks`` blocks of a prompt whose KV will be read in
+        (e.g. from the KV store): local prefix hits first, pinned so nothing evicts them
+        meanwhile. Give them back with :meth:`fill_prefix`; None: no room now."""
+        bm = self.block_manager
+        local = bm.cached_prefix(token_ids, hashes[:num_blocks])
+        bm.pin(local)
+        new = bm.allocate_blocks(num_blocks - len(local))
+        if new is None:
+            bm.unpin(local)
+            return None
+        return KVReservation(local + new, len(local))
+
+    def fill_prefix(self, reservation: KVReservation, token_ids: list[int], hashes: list[BlockHash],
+                    num_filled: int) -> None:
+        """The first ``num_filled`` reserved blocks after the local ones now hold their KV: the
+        prefix cache finds them from now on. Every reserved block is unpinned."""
+        bs, first = self.block_manager.block_size, reservation.num_local_blocks
+        filled = reservation.block_ids[first:first + num_filled]
+        self.block_manager.register(filled, [(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]))
+                                             for i in range(first, first + num_filled)])
+        self.block_manager.unpin(reservation.block_ids)
+        reservation.block_ids = []
+
+    def export_kv(self, token_ids: list[int], hashes: list[BlockHash] | None = None) -> KVExport:
+        """Pin and expose the cached full blocks covering the longest prefix of ``token_ids``
+        (``hashes``: theirs from :meth:`prompt_hashes`; default: unsalted, without images)."""
         bm = self.block_manager
         bs = bm.block_size
-        hashes = block_hashes(token_ids, bs, self.root)
+        hashes = block_hashes(token_ids, bs, self.root) if hashes is None else hashes
         ids = bm.cached_prefix(token_ids, hashes)
         bm.pin(ids)
         blocks = [KVBlock(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]), self.runner.block_view(block_id))

@@ -58,7 +58,8 @@ class MultiModalInput:
 
 class Sequence:
     def __init__(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None, mm_inputs: tuple[MultiModalInput, ...] = ()) -> None:
+                 arrival_time: float | None = None, mm_inputs: tuple[MultiModalInput, ...] = (),
+                 root: BlockHash | None = None) -> None:
         self.request_id = request_id
         self.params = params
         self.mm_inputs = mm_inputs
@@ -68,6 +69,8 @@ class Sequence:
         self.num_cached_tokens = 0
         """Prompt tokens served from the prefix cache at first admission (usage reporting)."""
         self.block_table: list[BlockId] = []
+        self.root = root
+        """Parent of the first block's hash (it carries the cache salt); None: the engine's."""
         self.block_hashes: list[BlockHash] = []
         """Hashes of the full blocks of ``token_ids`` computed so far (grows with the sequence)."""
         self.status = SequenceStatus.WAITING

@@ -29,6 +29,7 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.models.loader import load_model
 from services.engine.sequence import MultiModalInput
+from services.engine.store_connector import StoreConnector
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +47,17 @@ class ServingConfig(EngineConfig, ServerOptions):
     """Host name peers use to reach this instance; empty: the bind host."""
     image_token_id: int = 0
     """Token id of image placeholder positions (their embeddings come from the encoder)."""
+    kvstore: tuple[str, ...] = ()
+    """gRPC addresses of KV store nodes (with a shared Redis index, any one is enough); none:
+    no store, only this instance's own prefix cache."""
+    kvstore_replicas: int = 1
+    """Store nodes each written block goes to (2 survives the loss of a node)."""
 
     def __post_init__(self) -> None:
         EngineConfig.__post_init__(self)
         ServerOptions.__post_init__(self)
         check(0 <= self.transfer_port <= 65535, "transfer_port", "must be in 0..65535 (0: a free port)")
+        check(self.kvstore_replicas >= 1, "kvstore_replicas", "must be >= 1")
 
 
 class EngineInstance:
@@ -72,6 +79,11 @@ class EngineInstance:
                                        advertise_host=config.advertise_host)
         if self.region is not None:
             self.transfer.register(self.region)
+        self.store: StoreConnector | None = None
+        if config.kvstore:
+            from services.kvstore.client import StoreClient
+
+            self.store = StoreConnector(self, StoreClient(config.kvstore, config.kvstore_replicas))
 
     def _allocate_region(self, num_bytes: int):
         self.region = MemoryRegion.allocate(num_bytes, region_id=f"{self.instance_id}-kv")
@@ -81,6 +93,8 @@ class EngineInstance:
         self.engine.start()
 
     async def close(self) -> None:
+        if self.store is not None:
+            await self.store.close()
         await self.engine.stop()
         self.transfer.close()
         if self.region is not None:

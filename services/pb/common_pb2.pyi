@@ -61,16 +61,20 @@ class ImageInput(_message.Message):
     def __init__(self, image_hash: _Optional[bytes] = ..., position: _Optional[int] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class RequestSpec(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "images")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "images", "cache_salt", "request_class")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     images: _containers.RepeatedCompositeFieldContainer[ImageInput]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
+    cache_salt: str
+    request_class: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., request_class: _Optional[str] = ...) -> None: ...
 
 class StopReason(_message.Message):
     __slots__ = ("stop_string", "stop_token_id")

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from services.pb import kvstore_pb2 as kvstore__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -22,3 +23,419 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
+
+
+class KVStoreStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Lookup = channel.unary_unary(
+                '/epd.v1.KVStore/Lookup',
+                request_serializer=kvstore__pb2.LookupRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.LookupResponse.FromString,
+                _registered_method=True)
+        self.Acquire = channel.unary_unary(
+                '/epd.v1.KVStore/Acquire',
+                request_serializer=kvstore__pb2.AcquireRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.AcquireResponse.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/epd.v1.KVStore/Release',
+                request_serializer=kvstore__pb2.StoreReleaseRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.StoreReleaseResponse.FromString,
+                _registered_method=True)
+        self.Put = channel.unary_unary(
+                '/epd.v1.KVStore/Put',
+                request_serializer=kvstore__pb2.PutRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.PutResponse.FromString,
+                _registered_method=True)
+        self.Nodes = channel.unary_unary(
+                '/epd.v1.KVStore/Nodes',
+                request_serializer=kvstore__pb2.NodesRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.NodesResponse.FromString,
+                _registered_method=True)
+        self.PutWindow = channel.unary_unary(
+                '/epd.v1.KVStore/PutWindow',
+                request_serializer=kvstore__pb2.PutWindowRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.PutWindowResponse.FromString,
+                _registered_method=True)
+        self.GetWindow = channel.unary_unary(
+                '/epd.v1.KVStore/GetWindow',
+                request_serializer=kvstore__pb2.WindowKey.SerializeToString,
+                response_deserializer=kvstore__pb2.WindowResponse.FromString,
+                _registered_method=True)
+        self.HasWindow = channel.unary_unary(
+                '/epd.v1.KVStore/HasWindow',
+                request_serializer=kvstore__pb2.WindowKey.SerializeToString,
+                response_deserializer=kvstore__pb2.WindowResponse.FromString,
+                _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/epd.v1.KVStore/GetStats',
+                request_serializer=kvstore__pb2.StoreStatsRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.StoreStats.FromString,
+                _registered_method=True)
+
+
+class KVStoreServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Lookup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Acquire(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Put(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Nodes(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutWindow(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWindow(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HasWindow(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KVStoreServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=kvstore__pb2.LookupRequest.FromString,
+                    response_serializer=kvstore__pb2.LookupResponse.SerializeToString,
+            ),
+            'Acquire': grpc.unary_unary_rpc_method_handler(
+                    servicer.Acquire,
+                    request_deserializer=kvstore__pb2.AcquireRequest.FromString,
+                    response_serializer=kvstore__pb2.AcquireResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=kvstore__pb2.StoreReleaseRequest.FromString,
+                    response_serializer=kvstore__pb2.StoreReleaseResponse.SerializeToString,
+            ),
+            'Put': grpc.unary_unary_rpc_method_handler(
+                    servicer.Put,
+                    request_deserializer=kvstore__pb2.PutRequest.FromString,
+                    response_serializer=kvstore__pb2.PutResponse.SerializeToString,
+            ),
+            'Nodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.Nodes,
+                    request_deserializer=kvstore__pb2.NodesRequest.FromString,
+                    response_serializer=kvstore__pb2.NodesResponse.SerializeToString,
+            ),
+            'PutWindow': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutWindow,
+                    request_deserializer=kvstore__pb2.PutWindowRequest.FromString,
+                    response_serializer=kvstore__pb2.PutWindowResponse.SerializeToString,
+            ),
+            'GetWindow': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWindow,
+                    request_deserializer=kvstore__pb2.WindowKey.FromString,
+                    response_serializer=kvstore__pb2.WindowResponse.SerializeToString,
+            ),
+            'HasWindow': grpc.unary_unary_rpc_method_handler(
+                    servicer.HasWindow,
+                    request_deserializer=kvstore__pb2.WindowKey.FromString,
+                    response_serializer=kvstore__pb2.WindowResponse.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=kvstore__pb2.StoreStatsRequest.FromString,
+                    response_serializer=kvstore__pb2.StoreStats.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'epd.v1.KVStore', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('epd.v1.KVStore', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KVStore:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.KVStore/Lookup',
+            kvstore__pb2.LookupRequest.SerializeToString,
+            kvstore__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Acquire(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.KVStore/Acquire',
+            kvstore__pb2.AcquireRequest.SerializeToString,
+            kvstore__pb2.AcquireResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.KVStore/Release',
+            kvstore__pb2.StoreReleaseRequest.SerializeToString,
+            kvstore__pb2.StoreReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Put(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.KVStore/Put',
+            kvstore__pb2.PutRequest.SerializeToString,
+            kvstore__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Nodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.KVStore/Nodes',
+            kvstore__pb2.NodesRequest.SerializeToString,
+            kvstore__pb2.NodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutWindow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.KVStore/PutWindow',
+            kvstore__pb2.PutWindowRequest.SerializeToString,
+            kvstore__pb2.PutWindowResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWindow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.KVStore/GetWindow',
+            kvstore__pb2.WindowKey.SerializeToString,
+            kvstore__pb2.WindowResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HasWindow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.KVStore/HasWindow',
+            kvstore__pb2.WindowKey.SerializeToString,
+            kvstore__pb2.WindowResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.KVStore/GetStats',
+            kvstore__pb2.StoreStatsRequest.SerializeToString,
+            kvstore__pb2.StoreStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -2,7 +2,8 @@
 
 ::
 
-    Prefill RPC --> engine: waiting --> chunked prefill --> first token
+    Prefill RPC --> KV store hits read into the prefix cache (StoreConnector.pull)
+        --> engine: waiting --> chunked prefill --> first token
                         |                                     |
                         |          finished by it? ---yes---> reply (no KV)
                         |                                     | no
@@ -13,6 +14,9 @@
                         |                                  reply (first token + handle)
                         v
       Release RPC from decode, or lease expiry (30 s) --> blocks back to the pool
+
+    meanwhile, off the request's path: the prompt's new full blocks are written to the KV
+    store (StoreConnector.push), so the next prompt with this prefix hits on any instance.
 
 The decode instance reads the blocks one-sided (shared memory or the transfer engine's data
 server): nothing here runs per block while it reads, and the engine keeps stepping.
@@ -53,15 +57,20 @@ class PrefillWorker:
     async def prefill(self, spec: RequestSpec) -> PrefillResult:
         if self.is_draining:
             raise UnavailableError("this prefill instance is draining")
-        engine = self.instance.engine
-        stream = await engine.add(list(spec.prompt_token_ids), spec.params, spec.request_id,
-                                  detach_after_first_token=True, mm_inputs=mm_inputs(spec))
+        engine, store = self.instance.engine, self.instance.store
+        prompt, images = list(spec.prompt_token_ids), mm_inputs(spec)
+        if store is not None:
+            await store.pull(prompt, images, spec.cache_salt)
+        stream = await engine.add(prompt, spec.params, spec.request_id, detach_after_first_token=True,
+                                  mm_inputs=images, cache_salt=spec.cache_salt)
         try:
             last = None
             async for item in stream:
                 last = item
         finally:
             await stream.aclose()
+        if store is not None:
+            store.push_soon(prompt, images, spec.cache_salt, spec.request_class)
         if not isinstance(last, Handoff):
             return PrefillResult(last.token_ids[0], last.finish_reason, last.stop_reason,
                                  last.num_cached_tokens, None)

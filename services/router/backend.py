@@ -36,6 +36,10 @@ class GenerateRequest:
     image_positions: tuple[int, ...] = ()
     """Index in ``prompt_token_ids`` of each image's single placeholder token (``image_token_id``);
     the encoder side expands each into the image's embeddings."""
+    cache_salt: str = ""
+    """Only requests with the same salt share cached KV."""
+    request_class: str = "chat"
+    """"agent" or "chat": how long the KV store keeps the request's blocks."""
 
 
 @dataclass(frozen=True)

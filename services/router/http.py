@@ -264,7 +264,7 @@ class OpenAIRoutes:
         api.requested_max_tokens(body)
         prompt = api.chat_prompt(body.messages, self.backend.tokenizer, self.backend.image_token_id)
         params = api.sampling_params(body, len(prompt.token_ids), self.backend.max_model_len, "messages")
-        return api.generate_request(f"chatcmpl-{uuid.uuid4().hex}", prompt, params)
+        return api.generate_request(f"chatcmpl-{uuid.uuid4().hex}", prompt, params, body, "chat")
 
     def _completion_request(self, body: CompletionRequest) -> GenerateRequest:
         api.check_model(body.model, self.model_names)
@@ -272,7 +272,7 @@ class OpenAIRoutes:
         api.requested_max_tokens(body)
         prompt = api.completion_prompt(body.prompt, self.backend.tokenizer)
         params = api.sampling_params(body, len(prompt.token_ids), self.backend.max_model_len, "prompt")
-        return api.generate_request(f"cmpl-{uuid.uuid4().hex}", prompt, params)
+        return api.generate_request(f"cmpl-{uuid.uuid4().hex}", prompt, params, body, "agent")
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         return await self._serve(request, body, self._chat_request, ChatFormat, "/v1/chat/completions")

@@ -237,8 +237,11 @@ def sampling_params(body: SamplingFields, num_prompt_tokens: int, max_model_len:
         ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens, **optional)
 
 
-def generate_request(request_id: str, prompt: Prompt, params: SamplingParams) -> GenerateRequest:
-    return GenerateRequest(request_id, prompt.token_ids, params, prompt.images, prompt.image_positions)
+def generate_request(request_id: str, prompt: Prompt, params: SamplingParams, body: SamplingFields,
+                     default_class: str) -> GenerateRequest:
+    """``default_class``: the protocol's request class when the body names none."""
+    return GenerateRequest(request_id, prompt.token_ids, params, prompt.images, prompt.image_positions,
+                           cache_salt=body.cache_salt or "", request_class=body.kv_retention or default_class)
 
 
 class OutputText:

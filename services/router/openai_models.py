@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
@@ -77,6 +77,12 @@ class SamplingFields(_Body):
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     """vLLM extension: non-streaming choices also carry the generated ``token_ids``."""
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    """vLLM extension: salts the prefix cache, so only requests with the same salt share cached
+    KV (and none can time another's prompts)."""
+    kv_retention: Literal["agent", "chat"] | None = None
+    """epd extension: how long the KV store keeps this request's blocks (agent: 3 days, chat:
+    7 days by default). Default: chat for chat completions, agent for completions."""
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -147,8 +147,9 @@ class ClusterBackend:
 
     async def _spec(self, request: GenerateRequest) -> RequestSpec:
         """The wire spec; each image's single placeholder becomes one token per embedding row."""
+        keys = dict(cache_salt=request.cache_salt, request_class=request.request_class)
         if not request.images:
-            return RequestSpec(request.request_id, request.prompt_token_ids, request.params)
+            return RequestSpec(request.request_id, request.prompt_token_ids, request.params, **keys)
         embeddings = await self._encode_images(request)
         token_ids = list(request.prompt_token_ids)
         images = []
@@ -159,7 +160,7 @@ class ClusterBackend:
             token_ids[start:start + 1] = [token_ids[start]] * num_rows
             images.append(ImageInput(image_hash, start, tensor))
             shift += num_rows - 1
-        return RequestSpec(request.request_id, tuple(token_ids), request.params, tuple(images))
+        return RequestSpec(request.request_id, tuple(token_ids), request.params, tuple(images), **keys)
 
     async def _encode_images(self, request: GenerateRequest) -> list[tuple[bytes, object]]:
         if not self.encoders:

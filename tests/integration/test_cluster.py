@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
 import pytest
 
 from services.engine import LLM, SamplingParams
-from tests.cluster import is_idle, running_cluster
+from tests.cluster import running_cluster
 from tests.factories import random_prompts
 
 LENGTHS = [5, 1200, 17, 300, 64, 700, 33, 150, 9, 450, 128, 16, 6, 999, 48, 250, 80, 31, 512, 20]
@@ -35,20 +34,10 @@ def offline(tiny_chat_model_dir):
     return LLM(str(tiny_chat_model_dir), num_kv_blocks=1024)
 
 
-def wait_idle(cluster, timeout_s: float = 15.0) -> list:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        loads = cluster.loads()
-        if all(is_idle(r) for r in loads) or time.monotonic() > deadline:
-            return loads
-        time.sleep(0.1)
-
-
 @pytest.fixture(autouse=True)
 def pools_free_after_each_test(cluster):
     yield
-    loads = wait_idle(cluster)
-    assert all(is_idle(r) for r in loads), f"something was left in the cluster: {loads}"
+    assert cluster.leftovers() == []
 
 
 OPENAI_FIELDS = {"temperature", "top_p", "seed", "max_tokens"}
@@ -131,8 +120,7 @@ def test_client_disconnect_cancels_everywhere(cluster):
     assert any(line.startswith("data: {") for line in received)
     assert any(r.role == "decode" and r.num_running == 1 and r.num_free_blocks < r.num_total_blocks
                for r in busy), busy
-    loads = wait_idle(cluster)
-    assert all(is_idle(r) for r in loads), loads
+    assert cluster.leftovers() == []
 
 
 def test_a_dead_decode_instance_is_skipped(cluster, offline):

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def start_up(model_dir: Path, port: int) -> tuple[subprocess.Popen, list[int]]:
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), "--encoders", "1",
-         "--prefills", "1", "--decodes", "2", "--port", str(port), "--kv-cache-gib", "0.02", "--device", "cpu"],
+         "--prefills", "1", "--decodes", "2", "--port", str(port), "--kv-cache-gib", "0.02", "--device", "cpu",
+         "--kvstore-dir", "none", "--kvstore-capacity-mib", "32"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     pids = []
     for line in process.stdout:
@@ -79,7 +80,7 @@ def test_epd_up_serves_and_leaves_no_orphan(tiny_chat_model_dir, sig):
     port = free_port("127.0.0.1")
     process, pids = start_up(tiny_chat_model_dir, port)
     try:
-        assert len(pids) == 5  # encoder, prefill, 2 decodes, router
+        assert len(pids) == 6  # store node, encoder, prefill, 2 decodes, router
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                            json={"model": "tiny-chat0", "prompt": "Hello", "max_tokens": 4})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4

@@ -39,6 +39,7 @@ ENGINE_SERVICES = ("services.engine", "services.prefill", "services.decode", "se
     ("services/prefill", ("services.router", "services.decode", "services.encoder")),
     ("services/decode", ("services.router", "services.prefill", "services.encoder")),
     ("services/encoder", ("services.router", "services.prefill", "services.decode")),
+    ("services/kvstore", ("torch", "triton", "services.router", *ENGINE_SERVICES)),
     ("services/common", ("torch", "services.engine", "services.router", "services.prefill",
                          "services.decode", "services.encoder")),
 ])
@@ -73,6 +74,7 @@ def test_every_package_is_non_empty():
     ("services.prefill.servicer:PrefillServicer", "services.pb.prefill_pb2_grpc:PrefillServicer"),
     ("services.decode.servicer:DecodeServicer", "services.pb.decode_pb2_grpc:DecodeServicer"),
     ("services.encoder.servicer:EncoderServicer", "services.pb.encoder_pb2_grpc:EncoderServicer"),
+    ("services.kvstore.servicer:KVStoreServicer", "services.pb.kvstore_pb2_grpc:KVStoreServicer"),
 ])
 def test_every_rpc_of_the_contract_is_implemented(servicer, base):
     """The generated base classes answer every RPC with NotImplementedError: ours override all."""

@@ -44,6 +44,19 @@ def test_lookup_counts_the_leading_live_blocks_only(make_index, clock):
     assert index.lookup(list("xabc")) == 0
 
 
+def test_present_answers_each_block_and_renews_only_live_ones(make_index, clock):
+    index = make_index(10, clock)
+    index.insert("a", ttl_s=10)
+    index.insert("c", ttl_s=10)
+    clock.now += 8
+    assert index.present(list("abc")) == [True, False, True]
+    assert index.present([]) == []
+    clock.now += 8  # 16: both were renewed at 8, so they live until 18
+    assert index.present(list("ac")) == [True, True]
+    clock.now += 11
+    assert index.present(list("ac")) == [False, False]
+
+
 def test_ttl_expires_and_a_hit_renews_it(make_index, clock):
     index = make_index(10, clock)
     index.insert("a", ttl_s=10)
@@ -129,6 +142,8 @@ def test_two_redis_indexes_on_one_server_share_what_is_stored(redis_url, clock):
     assert ttl_ms == -2  # removed keys are gone from Redis too
     node_1.insert(b"\x02" * 32, ttl_s=100)
     assert 0 < client.pttl("shared:b:" + "02" * 32) <= 100_000  # the key's TTL follows the block's
+    node_2.clear()
+    assert len(node_1) == 0 and node_1.lookup([b"\x02" * 32]) == 0 and not client.keys("shared:*")
     client.close()
     node_2.client.close()
 

@@ -1,0 +1,171 @@
+"""Prefix hits from the KV store into an engine's pool, and new full blocks back to the store.
+
+Before a prompt joins the engine (prefill)::
+
+    prompt_hashes --> local prefix-cache hits (free) --> store lookup of the blocks after them
+       --> hit rule: at most L - margin tokens (kvstore/hit_rule.py; SWA models ask for the window)
+       --> reserve blocks (local hits pinned) --> acquire on the holders --> read one-sided
+       --> fill_prefix: the blocks join the local prefix cache --> release the store's leases
+    then the request is added as usual and its admission hits those blocks (num_cached_tokens).
+
+After a request (prefill after its hand-over, decode once finished), off the request's path::
+
+    export the cached full blocks of its tokens (pinned) --> store lookup: skip what is held
+       --> put the rest: the store nodes read them one-sided --> unpin
+
+A store that is down or slow only costs hits: every failure here is logged and skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+
+from kvstore.hashing import BlockHash
+from kvstore.hit_rule import ModelKVShape, hit_tokens
+from kvstore.transfer.descriptors import KVHandle
+from kvstore.transfer.engine import TransferEngine
+from kvstore.transfer.state import TransferState
+from services.common import metrics
+from services.engine.sequence import MultiModalInput
+
+logger = logging.getLogger(__name__)
+
+STORE_HIT_BLOCKS = metrics.counter("epd_kv_store_hit_blocks_total", "Blocks read from the KV store into the pool.")
+STORE_LOOKUP_BLOCKS = metrics.counter("epd_kv_store_lookup_blocks_total",
+                                      "Blocks looked up in the KV store (after local prefix-cache hits).")
+STORE_PUT_BLOCKS = metrics.counter("epd_kv_store_put_blocks_total", "Blocks written to the KV store.")
+_POLL_S = 0.0005
+
+
+async def read_kv(transfer: TransferEngine, handle: KVHandle, destinations: Sequence) -> str | None:
+    """Read ``handle``'s blocks into ``destinations``; the error, or None when done.
+
+    Cancelling waits for the copy to stop (it ends after one block): the destinations may not
+    be reused while a transfer still writes them.
+    """
+    op = transfer.read(handle, destinations)
+    try:
+        while op.poll() not in (TransferState.DONE, TransferState.FAILED):
+            await asyncio.sleep(_POLL_S)
+    except BaseException:
+        op.cancel()
+        op.wait()
+        raise
+    return op.error if op.poll() is TransferState.FAILED else None
+
+
+class StoreConnector:
+    def __init__(self, instance, client, shape: ModelKVShape = ModelKVShape()) -> None:
+        """``instance``: the :class:`~services.engine.serving.EngineInstance`; ``client``: a
+        :class:`~services.kvstore.client.StoreClient`."""
+        self.instance = instance
+        self.client = client
+        self.shape = shape
+        self._pushes: set[asyncio.Task] = set()
+
+    @property
+    def num_pushes_in_flight(self) -> int:
+        return len(self._pushes)
+
+    async def pull(self, token_ids: list[int], mm_inputs: tuple[MultiModalInput, ...] = (),
+                   cache_salt: str = "") -> int:
+        """Read the prompt's store hits into the engine's prefix cache; blocks read."""
+        engine, llm = self.instance.engine, self.instance.llm
+        if self.instance.region is None:
+            return 0  # a device pool: store reads need a host pool (see docs)
+        bs = llm.block_manager.block_size
+        hashes, num_local = await engine.call(llm.prompt_hashes, token_ids, mm_inputs, cache_salt)
+        max_blocks = hit_tokens(len(token_ids), bs, len(hashes), self.shape, lambda end: True) // bs
+        if num_local >= max_blocks:
+            return 0
+        STORE_LOOKUP_BLOCKS.inc(max_blocks - num_local)
+        holders = await self.client.lookup(hashes[num_local:max_blocks])
+        num_blocks = await self._apply_hit_rule(len(token_ids), hashes, num_local + len(holders))
+        if num_blocks <= num_local:
+            return 0
+        reservation = await engine.call(llm.reserve_prefix, token_ids, hashes, num_blocks)
+        if reservation is None:
+            return 0
+        num_filled = 0
+        try:
+            num_filled = await self._read(hashes[num_local:num_blocks], holders[:num_blocks - num_local],
+                                          reservation.block_ids[reservation.num_local_blocks:])
+        finally:
+            await engine.call(llm.fill_prefix, reservation, token_ids, hashes, num_filled)
+        STORE_HIT_BLOCKS.inc(num_filled)
+        return num_filled
+
+    async def _apply_hit_rule(self, num_tokens: int, hashes: list[BlockHash], num_block_hits: int) -> int:
+        """Blocks the prefill may take: L1, or L1 - window when the SWA tier lacks the window."""
+        bs = self.instance.llm.block_manager.block_size
+        l1 = hit_tokens(num_tokens, bs, num_block_hits, self.shape, lambda end: True)
+        has_window = True
+        if self.shape.sliding_window is not None and l1 > 0:
+            has_window = await self.client.has_window(hashes[l1 // bs - 1], l1)
+        return hit_tokens(num_tokens, bs, num_block_hits, self.shape, lambda end: has_window) // bs
+
+    async def _read(self, hashes: list[BlockHash], holders: list[list[str]], block_ids: list[int]) -> int:
+        """Acquire and read the blocks into ``block_ids``; how many leading ones arrived."""
+        lent = await self.client.acquire(hashes, holders)
+        try:
+            llm = self.instance.llm
+            errors = await asyncio.gather(*(
+                read_kv(self.instance.transfer, item.handle, [llm.block_buffer(block_ids[i]).numpy() for i in item.indices])
+                for item in lent))
+        finally:
+            await self.client.release(lent)
+        arrived = {i for item, error in zip(lent, errors) if error is None for i in item.indices}
+        for item, error in zip(lent, errors):
+            if error is not None:
+                logger.warning("reading %d blocks from store %s failed (%s): they are recomputed",
+                               len(item.indices), item.address, error)
+        return next((i for i in range(len(hashes)) if i not in arrived), len(hashes))
+
+    # ----- write-back ---------------------------------------------------------------------
+    def push_soon(self, token_ids: list[int], mm_inputs: tuple[MultiModalInput, ...] = (),
+                  cache_salt: str = "", request_class: str = "chat") -> None:
+        """Write the tokens' cached full blocks to the store in the background."""
+        if self.instance.region is None:
+            return
+        task = asyncio.get_running_loop().create_task(self.push(token_ids, mm_inputs, cache_salt, request_class))
+        self._pushes.add(task)
+        task.add_done_callback(self._pushes.discard)
+
+    async def push(self, token_ids: list[int], mm_inputs: tuple[MultiModalInput, ...] = (),
+                   cache_salt: str = "", request_class: str = "chat") -> int:
+        """Write the blocks the store lacks; how many node copies were stored or renewed."""
+        engine, llm = self.instance.engine, self.instance.llm
+        started = time.perf_counter()
+        try:
+            hashes, _ = await engine.call(llm.prompt_hashes, token_ids, mm_inputs, cache_salt)
+            num_held = len(await self.client.lookup(hashes)) if hashes else 0
+            export = await engine.call(llm.export_kv, token_ids, hashes)
+        except Exception:  # noqa: BLE001 - the engine stopped; nothing was pinned
+            logger.exception("KV store write-back failed before export")
+            return 0
+        try:
+            ids = export.block_ids[num_held:]
+            if not ids:
+                return 0
+            handle = await asyncio.to_thread(
+                self.instance.transfer.export, self.instance.region.desc.region_id,
+                self.instance.block_ranges(ids), f"put-{uuid.uuid4().hex}")
+            num_put = await self.client.put(hashes[num_held:num_held + len(ids)], handle, request_class)
+            STORE_PUT_BLOCKS.inc(len(ids))
+            logger.debug("wrote %d blocks to the KV store in %.3fs", len(ids), time.perf_counter() - started)
+            return num_put
+        except Exception:  # noqa: BLE001 - a cache write: losing it only costs a later hit
+            logger.exception("KV store write-back failed")
+            return 0
+        finally:
+            engine.call_soon(llm.release, export)
+
+    async def close(self) -> None:
+        """Wait for the writes in flight (each ends on its own RPC timeout), then close."""
+        if self._pushes:
+            await asyncio.gather(*self._pushes, return_exceptions=True)
+        await self.client.close()

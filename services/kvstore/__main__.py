@@ -1,0 +1,61 @@
+"""A KV store node.
+
+    python -m services.kvstore [--port 50081] [--host-capacity-mib 1024] [--disk-dir DIR]
+                               [--redis-url redis://...] ...
+
+Every flag is also an EPD_KVSTORE_* environment variable; ``--help`` lists them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from kvstore.store import StoreNode
+from kvstore.transfer.engine import TransferEngine
+from services.common.config import config_or_exit
+from services.common.server import ServerOptions, serve
+from services.kvstore.config import KVStoreConfig
+from services.kvstore.servicer import Peers, add_to_server
+
+
+async def expire_leases(node: StoreNode, period_s: float = 1.0) -> None:
+    while True:
+        for lease_id in node.expire_leases():
+            logging.getLogger(__name__).warning("store lease %s expired unreleased", lease_id)
+        await asyncio.sleep(period_s)
+
+
+async def run(config: KVStoreConfig) -> int:
+    node_id = config.node_id or f"kvstore-{config.port}"
+    registry = make_index = None
+    if config.redis_url:
+        import redis
+
+        from kvstore.redis_index import NodeRegistry
+
+        registry = NodeRegistry(redis.Redis.from_url(config.redis_url))
+        make_index = lambda capacity: registry.index_of(node_id, capacity)  # noqa: E731
+    transfer = TransferEngine(host=config.host, port=config.transfer_port, advertise_host=config.advertise_host)
+    node = StoreNode(node_id, config.layout(), transfer, make_index, config.retention())
+    peers = Peers(node, registry)
+
+    def ready(port: int, metrics_port: int | None) -> None:
+        peers.address = f"{config.advertise_host or config.host}:{port}"
+
+    try:
+        return await serve(lambda server: add_to_server(server, node, peers), ServerOptions.from_config(config),
+                           "epd.v1.KVStore", ready=ready, background=[expire_leases(node), peers.announce()])
+    finally:
+        node.close()
+        transfer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(run(config_or_exit(KVStoreConfig, argv, "kvstore", prog="python -m services.kvstore")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""How an engine instance reaches the KV store: one client over every store node.
+
+    lookup(hashes)            ask every entry node which nodes hold each block
+                              (with a shared Redis index one node answers for all)
+    acquire(hashes, holders)  pin the hit blocks on their nodes, in parallel; one lease each
+    ... read them one-sided with the transfer engine, then release(lent) ...
+    put(hashes, source)       each block goes to its ``replicas`` nodes by rendezvous hashing
+                              (kvstore/placement.py); the nodes read it from the writer
+
+The store is a cache: a node that fails an RPC is skipped for a while and every error is a
+miss or a skipped write, never a failed request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+
+from kvstore.hashing import BlockHash
+from kvstore.placement import place, rank
+from kvstore.transfer.descriptors import KVHandle
+from services.common.server import MAX_MESSAGE_BYTES
+from services.common.wire import kv_handle_from_proto, kv_handle_to_proto
+from services.pb import kvstore_pb2, kvstore_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_DEAD_FOR_S = 5.0
+"""How long a node that failed an RPC is skipped."""
+
+
+@dataclass(frozen=True)
+class Lent:
+    """Blocks one node lends: ``handle.blocks[j]`` is block ``indices[j]`` of the lookup."""
+
+    address: str
+    handle: KVHandle
+    indices: tuple[int, ...]
+
+
+class StoreClient:
+    def __init__(self, addresses: Sequence[str], replicas: int = 1, timeout_s: float = 5.0,
+                 refresh_s: float = 2.0) -> None:
+        if not addresses:
+            raise ValueError("a store client needs at least one node address")
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1 (got {replicas})")
+        self.entry_addresses = tuple(addresses)
+        self.replicas = replicas
+        self.timeout_s = timeout_s
+        self.refresh_s = refresh_s
+        self._stubs: dict[str, kvstore_pb2_grpc.KVStoreStub] = {}
+        self._channels: list[grpc.aio.Channel] = []
+        self._dead_until: dict[str, float] = {}
+        self._nodes: dict[str, str] = {}  # node id -> address
+        self._nodes_at = float("-inf")
+
+    # ----- reads -------------------------------------------------------------------------------
+    async def lookup(self, hashes: Sequence[BlockHash]) -> list[list[str]]:
+        """Holders of each block, cut at the first block no live node holds."""
+        if not hashes:
+            return []
+        request = kvstore_pb2.LookupRequest(hashes=list(hashes))
+        replies = await asyncio.gather(*(self._call(a, "Lookup", request) for a in self._live(self.entry_addresses)))
+        holders: list[list[str]] = [[] for _ in hashes]
+        for reply in replies:
+            if reply is None:
+                continue
+            for i, h in enumerate(reply.holders[:len(hashes)]):
+                holders[i].extend(a for a in h.node_addresses if a not in holders[i] and self._is_alive(a))
+        num_hits = next((i for i, h in enumerate(holders) if not h), len(holders))
+        return holders[:num_hits]
+
+    async def acquire(self, hashes: Sequence[BlockHash], holders: Sequence[Sequence[str]]) -> list[Lent]:
+        """Pin ``hashes[:len(holders)]`` on their holders (a block another holder of which fails
+        is asked of the next); the blocks lent cover a prefix: the caller reads them, then
+        releases every lease."""
+        lent: list[Lent] = []
+        obtained: set[int] = set()
+        tried: dict[int, set[str]] = {i: set() for i in range(len(holders))}
+        while True:
+            wanted: dict[str, list[int]] = {}
+            for i, block_holders in enumerate(holders):
+                untried = [a for a in block_holders if a not in tried[i] and self._is_alive(a)]
+                if i not in obtained and untried:
+                    address = rank(hashes[i], untried)[0]  # spreads reads over replicas
+                    wanted.setdefault(address, []).append(i)
+                    tried[i].add(address)
+            if not wanted:
+                break
+            replies = await asyncio.gather(*(
+                self._call(a, "Acquire", kvstore_pb2.AcquireRequest(hashes=[hashes[i] for i in idx]))
+                for a, idx in wanted.items()))
+            for (address, indices), reply in zip(wanted.items(), replies):
+                if reply is not None and reply.HasField("kv"):
+                    handle = kv_handle_from_proto(reply.kv)
+                    lent.append(Lent(address, handle, tuple(indices[:len(handle.blocks)])))
+                    obtained.update(indices[:len(handle.blocks)])
+        num_prefix = next((i for i in range(len(holders)) if i not in obtained), len(holders))
+        useful, useless = [], []
+        for item in lent:
+            keep = tuple(i for i in item.indices if i < num_prefix)
+            if keep:
+                useful.append(Lent(item.address, KVHandle(item.handle.lease_id, item.handle.owner, item.handle.regions,
+                                                          item.handle.blocks[:len(keep)]), keep))
+            else:
+                useless.append(item)
+        await self.release(useless)
+        return useful
+
+    async def release(self, lent: Sequence[Lent]) -> None:
+        await asyncio.gather(*(self._call(item.address, "Release", kvstore_pb2.StoreReleaseRequest(
+            lease_id=item.handle.lease_id)) for item in lent))
+
+    # ----- writes ------------------------------------------------------------------------------
+    async def put(self, hashes: Sequence[BlockHash], source: KVHandle, request_class: str = "chat") -> int:
+        """Have the blocks' nodes read and keep them; returns how many node copies were stored
+        or renewed. Returns once every node has read (the writer may then free its blocks)."""
+        nodes = await self.nodes()
+        if not nodes or not hashes:
+            return 0
+        per_node: dict[str, list[int]] = {}
+        node_ids = sorted(nodes)
+        for i, block_hash in enumerate(hashes):
+            for node_id in place(block_hash, node_ids, min(self.replicas, len(node_ids))):
+                per_node.setdefault(nodes[node_id], []).append(i)
+        replies = await asyncio.gather(*(
+            self._call(address, "Put", kvstore_pb2.PutRequest(
+                hashes=[hashes[i] for i in idx], request_class=request_class,
+                source=kv_handle_to_proto(KVHandle(source.lease_id, source.owner, source.regions,
+                                                   tuple(source.blocks[i] for i in idx)))),
+                timeout_s=max(self.timeout_s, 60.0))
+            for address, idx in per_node.items()))
+        return sum(r.num_stored + r.num_renewed for r in replies if r is not None)
+
+    async def has_window(self, sequence_hash: bytes, window_end: int) -> bool:
+        key = kvstore_pb2.WindowKey(sequence_hash=sequence_hash, window_end=window_end)
+        replies = await asyncio.gather(*(self._call(a, "HasWindow", key) for a in self._live(self.entry_addresses)))
+        return any(r is not None and r.found for r in replies)
+
+    async def nodes(self) -> dict[str, str]:
+        """node id -> address of the live store nodes (refreshed every ``refresh_s``)."""
+        if time.monotonic() - self._nodes_at >= self.refresh_s:
+            replies = await asyncio.gather(*(self._call(a, "Nodes", kvstore_pb2.NodesRequest())
+                                             for a in self._live(self.entry_addresses)))
+            nodes = {n.node_id: n.address for r in replies if r is not None for n in r.nodes}
+            self._nodes, self._nodes_at = nodes, time.monotonic()
+        return {n: a for n, a in self._nodes.items() if self._is_alive(a)}
+
+    async def close(self) -> None:
+        channels, self._channels, self._stubs = self._channels, [], {}
+        for channel in channels:
+            await channel.close()
+
+    # ----- plumbing ----------------------------------------------------------------------------
+    async def _call(self, address: str, method: str, request, timeout_s: float | None = None):
+        """One RPC; None (and the node skipped for a while) when it fails."""
+        try:
+            return await getattr(self._stub(address), method)(request, timeout=timeout_s or self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self._dead_until[address] = time.monotonic() + _DEAD_FOR_S
+            logger.warning("KV store %s %s failed: %s %s", address, method, exc.code().name, exc.details())
+            return None
+
+    def _stub(self, address: str) -> kvstore_pb2_grpc.KVStoreStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(address, options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+            self._channels.append(channel)
+            stub = self._stubs[address] = kvstore_pb2_grpc.KVStoreStub(channel)
+        return stub
+
+    def _is_alive(self, address: str) -> bool:
+        return self._dead_until.get(address, 0.0) <= time.monotonic()
+
+    def _live(self, addresses: Sequence[str]) -> list[str]:
+        return [a for a in addresses if self._is_alive(a)]

@@ -1,0 +1,138 @@
+"""The KVStore gRPC service: a thin shell over one :class:`~kvstore.store.StoreNode`.
+
+Blocking node work (reads of a writer's blocks, disk reads) runs in threads, off the event
+loop. With a shared Redis, :class:`Peers` lets any node answer a lookup for every live node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from kvstore.hashing import BlockHash
+from kvstore.redis_index import NodeRegistry
+from kvstore.store import StoreNode
+from services.common.errors import InvalidRequestError
+from services.common.wire import kv_handle_from_proto, kv_handle_to_proto
+from services.pb import kvstore_pb2, kvstore_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+MAX_HASHES = 1 << 16
+"""Blocks one request may name (a 1M-token prompt at 16 tokens per block)."""
+
+
+class Peers:
+    """The nodes a lookup answers for: this one, plus every live node of a shared Redis."""
+
+    def __init__(self, node: StoreNode, registry: NodeRegistry | None = None) -> None:
+        self.node = node
+        self.registry = registry
+        self.address = ""
+        """This node's gRPC address, set once the server is bound."""
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[list[str]]:
+        """Per hash, the addresses of the nodes that hold it (this node first)."""
+        holders: list[list[str]] = [[self.address] if held else [] for held in self.node.lookup(hashes)]
+        for node_id, address in self._others().items():
+            for i, held in enumerate(self.registry.index_of(node_id).present(hashes)):
+                if held:
+                    holders[i].append(address)
+        return holders
+
+    def nodes(self) -> list[tuple[str, str]]:
+        """(node id, address) of this node, then of every other live node."""
+        return [(self.node.node_id, self.address), *sorted(self._others().items())]
+
+    async def announce(self, period_s: float | None = None) -> None:
+        """Forever: keep this node in the registry (it drops out within its TTL once stopped)."""
+        if self.registry is None:
+            await asyncio.Event().wait()
+        period_s = period_s or self.registry.ttl_s / 3
+        try:
+            while True:
+                await asyncio.to_thread(self.registry.announce, self.node.node_id, self.address)
+                await asyncio.sleep(period_s)
+        finally:
+            self.registry.withdraw(self.node.node_id)
+
+    def _others(self) -> dict[str, str]:
+        if self.registry is None:
+            return {}
+        return {n: a for n, a in self.registry.live().items() if n != self.node.node_id}
+
+
+class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
+    def __init__(self, node: StoreNode, peers: Peers) -> None:
+        self.node = node
+        self.peers = peers
+
+    async def Lookup(self, request, context):
+        holders = await asyncio.to_thread(self.peers.lookup, _hashes(request.hashes))
+        return kvstore_pb2.LookupResponse(holders=[kvstore_pb2.Holders(node_addresses=h) for h in holders])
+
+    async def Acquire(self, request, context):
+        handle = await asyncio.to_thread(self.node.acquire, _hashes(request.hashes))
+        reply = kvstore_pb2.AcquireResponse()
+        if handle is not None:
+            reply.kv.CopyFrom(kv_handle_to_proto(handle))
+        return reply
+
+    async def Release(self, request, context):
+        return kvstore_pb2.StoreReleaseResponse(released=self.node.release(request.lease_id))
+
+    async def Put(self, request, context):
+        hashes = _hashes(request.hashes)
+        source = kv_handle_from_proto(request.source)
+        if len(source.blocks) != len(hashes):
+            raise InvalidRequestError(f"{len(hashes)} hashes for {len(source.blocks)} source blocks")
+        request_class = request.request_class or "chat"
+        if request_class not in ("agent", "chat"):
+            raise InvalidRequestError(f"unknown request_class {request_class!r} (agent or chat)")
+        try:
+            result = await asyncio.to_thread(self.node.put, hashes, source, request_class)
+        except ValueError as exc:  # blocks of another size than this node's
+            raise InvalidRequestError(str(exc)) from None
+        return kvstore_pb2.PutResponse(num_stored=result.num_stored, num_renewed=result.num_renewed,
+                                       num_failed=result.num_failed)
+
+    async def Nodes(self, request, context):
+        nodes = await asyncio.to_thread(self.peers.nodes)
+        return kvstore_pb2.NodesResponse(nodes=[kvstore_pb2.StoreNode(node_id=n, address=a) for n, a in nodes])
+
+    async def PutWindow(self, request, context):
+        self.node.put_window(*_window(request.key), request.data)
+        return kvstore_pb2.PutWindowResponse()
+
+    async def GetWindow(self, request, context):
+        data = self.node.get_window(*_window(request))
+        return kvstore_pb2.WindowResponse(found=data is not None, data=data or b"")
+
+    async def HasWindow(self, request, context):
+        return kvstore_pb2.WindowResponse(found=self.node.has_window(*_window(request)))
+
+    async def GetStats(self, request, context):
+        s = self.node.stats()
+        return kvstore_pb2.StoreStats(**{f: getattr(s, f) for f in kvstore_pb2.StoreStats.DESCRIPTOR.fields_by_name})
+
+
+def _hashes(raw: Sequence[bytes]) -> list[BlockHash]:
+    if len(raw) > MAX_HASHES:
+        raise InvalidRequestError(f"{len(raw)} hashes in one request; at most {MAX_HASHES}")
+    for i, h in enumerate(raw):
+        if len(h) != 32:
+            raise InvalidRequestError(f"hash {i} has {len(h)} bytes; block hashes are 32 bytes")
+    return [BlockHash(bytes(h)) for h in raw]
+
+
+def _window(key) -> tuple[bytes, int]:
+    if len(key.sequence_hash) != 32:
+        raise InvalidRequestError(f"a window's sequence hash is 32 bytes, not {len(key.sequence_hash)}")
+    if key.window_end <= 0:
+        raise InvalidRequestError(f"window_end must be > 0 (got {key.window_end})")
+    return bytes(key.sequence_hash), key.window_end
+
+
+def add_to_server(server, node: StoreNode, peers: Peers) -> None:
+    kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(node, peers), server)
