@@ -9,6 +9,7 @@ import subprocess
 import sys
 import uuid
 
+import grpc
 import numpy as np
 import pytest
 import redis
@@ -16,23 +17,25 @@ import redis
 from kvstore.hashing import block_hashes, root_hash
 from kvstore.transfer import TransferEngine, TransferState
 from services.common.server import wait_for_health
+from services.common.wire import kv_handle_to_proto
 from services.kvstore.client import StoreClient
 from services.launcher import free_port
+from services.pb import kvstore_pb2, kvstore_pb2_grpc
 from tests.factories import BLOCK, KVWriter
 
 HASHES = block_hashes(list(range(16 * 32)), 16, root_hash(model="m", block_size=16, dtype="float32"))
 
 
 @contextlib.contextmanager
-def store_nodes(redis_url: str, count: int, prefix: str):
+def store_nodes(redis_url: str | None, count: int, prefix: str):
     processes, addresses = [], []
     try:
         for i in range(count):
             port = free_port("127.0.0.1")
             processes.append(subprocess.Popen(
                 [sys.executable, "-m", "services.kvstore", "--port", str(port), "--metrics-port", "none",
-                 "--node-id", f"{prefix}-{i}", "--redis-url", redis_url, "--host-capacity-mib", "4",
-                 "--block-bytes", str(BLOCK)]))
+                 "--node-id", f"{prefix}-{i}", "--host-capacity-mib", "4", "--block-bytes", str(BLOCK),
+                 *(["--redis-url", redis_url] if redis_url else [])]))
             addresses.append(f"127.0.0.1:{port}")
         for address in addresses:
             assert asyncio.run(wait_for_health(address, "epd.v1.KVStore", timeout_s=60))
@@ -107,3 +110,29 @@ def test_with_two_replicas_killing_a_node_loses_no_hit(redis_url, redis_prefix_f
 
     with store_nodes(redis_url, 2, redis_prefix_free) as (processes, addresses):
         asyncio.run(scenario(processes, addresses))
+
+
+def test_bad_requests_get_invalid_argument_with_a_clear_message():
+    with store_nodes(None, 1, "alone") as (_, addresses), grpc.insecure_channel(addresses[0]) as channel:
+        stub = kvstore_pb2_grpc.KVStoreStub(channel)
+        writer_engine = TransferEngine()
+        source = KVWriter(writer_engine).handle(range(2))
+        cases = [
+            (stub.Lookup, kvstore_pb2.LookupRequest(hashes=[b"short"]), "hash 0 has 5 bytes"),
+            (stub.Acquire, kvstore_pb2.AcquireRequest(hashes=[HASHES[0], b"x" * 33]), "hash 1 has 33 bytes"),
+            (stub.Put, kvstore_pb2.PutRequest(hashes=HASHES[:3], source=kv_handle_to_proto(source)),
+             "3 hashes for 2 source blocks"),
+            (stub.Put, kvstore_pb2.PutRequest(hashes=HASHES[:2], source=kv_handle_to_proto(source),
+                                              request_class="batch"), "unknown request_class 'batch'"),
+            (stub.HasWindow, kvstore_pb2.WindowKey(sequence_hash=HASHES[0], window_end=0), "window_end must be > 0"),
+        ]
+        try:
+            for call, request, message in cases:
+                with pytest.raises(grpc.RpcError) as caught:
+                    call(request, timeout=10)
+                assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT, caught.value
+                assert message in caught.value.details()
+            stats = stub.GetStats(kvstore_pb2.StoreStatsRequest(), timeout=10)
+            assert stats.num_blocks == 0 and stats.num_leases == 0  # nothing half-done
+        finally:
+            writer_engine.close()

@@ -120,6 +120,21 @@ def _bad_request(call, *words: str, status=openai.BadRequestError):
     return info.value.body
 
 
+def test_cache_salt_and_retention_reach_the_backend(client, backend):
+    """vLLM's cache_salt and epd's kv_retention; the class defaults from the protocol."""
+    client.chat.completions.create(model="test-model", messages=MESSAGES, max_tokens=2)
+    client.completions.create(model="test-model", prompt="Paris is", max_tokens=2)
+    client.chat.completions.create(model="test-model", messages=MESSAGES, max_tokens=2,
+                                   extra_body={"cache_salt": "tenant-a", "kv_retention": "agent"})
+    got = [(r.cache_salt, r.request_class) for r in backend.requests]
+    assert got == [("", "chat"), ("", "agent"), ("tenant-a", "agent")]
+    chat = client.chat.completions.create
+    _bad_request(lambda: chat(model="test-model", messages=MESSAGES, extra_body={"kv_retention": "forever"}),
+                 "kv_retention")
+    _bad_request(lambda: chat(model="test-model", messages=MESSAGES, extra_body={"cache_salt": ""}), "cache_salt")
+    assert len(backend.requests) == 3
+
+
 def test_bad_input_is_400(client, backend):
     chat = client.chat.completions.create
     body = _bad_request(lambda: chat(model="test-model", messages=[{"role": "robot", "content": "x"}]), "'robot'")

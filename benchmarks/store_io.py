@@ -1,0 +1,295 @@
+"""KV store put/get throughput of 112 KiB blocks through its real data path vs Redis SET/GET.
+
+Both servers run on this machine, both keep the blocks in memory only, both are fed the same
+blocks from the same caller memory and land them in the same caller memory, in batches of
+the same size:
+
+    this process (the engine)                          servers
+    writer region (/dev/shm) holding the blocks   -->  store node (python -m services.kvstore):
+      put = export(ranges) + StoreClient.put             reads the blocks one-sided (shm),
+                                                          checks every checksum, keeps them
+      get = lookup + acquire + TransferEngine.read  <--  lends its host slots under a lease
+            (checksums checked) + release
+    the same blocks, the same batch size          -->  redis-server (--save "" --appendonly no):
+      put = pipelined SET of each block                  keeps them in its heap
+      get = pipelined GET, copied into the dest     <--
+
+Every put of the timed loop is of new blocks (fresh hashes each round, the store's block count
+is checked after every round), so the store copies each one rather than renewing it. After one
+untimed warm-up round, --reps rounds each go store put, Redis put, store get, Redis get, so
+other load on the machine hits both alike; headline numbers use each column's best round,
+medians are printed too. Every landed block is compared with its source once per round.
+Last line: JSON (goal: put_vs_redis >= 1 and get_vs_redis >= 1).
+
+    .venv/bin/python benchmarks/store_io.py [--num-blocks 1024] [--batch-blocks 64] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import grpc.aio
+import numpy as np
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvstore.hashing import BlockHash  # noqa: E402
+from kvstore.transfer import MemoryRegion, TransferEngine, TransferState  # noqa: E402
+from services.common.server import wait_for_health  # noqa: E402
+from services.kvstore.client import StoreClient  # noqa: E402
+from services.launcher import free_port, remove_shared_memory_of  # noqa: E402
+from services.pb import kvstore_pb2, kvstore_pb2_grpc  # noqa: E402
+
+BLOCK_BYTES = 112 << 10
+HOST = "127.0.0.1"
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- the two servers
+
+
+def start_store(block_bytes: int, capacity_mib: int, log_file) -> tuple[subprocess.Popen, str]:
+    port = free_port(HOST)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.kvstore", "--host", HOST, "--port", str(port), "--metrics-port", "none",
+         "--node-id", "bench", "--host-capacity-mib", str(capacity_mib), "--block-bytes", str(block_bytes)],
+        cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+    return process, f"{HOST}:{port}"
+
+
+def start_redis(directory: str) -> tuple[subprocess.Popen, redis.Redis]:
+    port = free_port(HOST)
+    process = subprocess.Popen(["redis-server", "--port", str(port), "--bind", HOST, "--save", "",
+                                "--appendonly", "no", "--dir", directory], stdout=subprocess.DEVNULL)
+    client = redis.Redis(host=HOST, port=port)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            return process, client
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or process.poll() is not None:
+                stop(process)
+                raise RuntimeError("redis-server did not start (is it installed? apt-get install redis-server)")
+            time.sleep(0.05)
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    remove_shared_memory_of(process.pid)  # only left behind if it had to be killed
+
+
+# ---------------------------------------------------------------- one round of each column
+
+
+class Blocks:
+    """The blocks every column moves: a source (the writer's registered region) and a
+    destination (anonymous caller memory), both ``num_blocks`` x ``block_bytes``."""
+
+    def __init__(self, transfer: TransferEngine, num_blocks: int, block_bytes: int, batch_blocks: int) -> None:
+        self.num_blocks, self.block_bytes = num_blocks, block_bytes
+        self.source = MemoryRegion.allocate(num_blocks * block_bytes)
+        self.dest = MemoryRegion.allocate(num_blocks * block_bytes, shm=False)
+        transfer.register(self.source)
+        self.source.buffer[:] = np.random.default_rng(0).integers(0, 256, len(self.source.buffer), dtype=np.uint8)
+        self.batches = [range(start, min(start + batch_blocks, num_blocks))
+                        for start in range(0, num_blocks, batch_blocks)]
+
+    def src(self, i: int) -> np.ndarray:
+        return self.source.buffer[i * self.block_bytes:(i + 1) * self.block_bytes]
+
+    def dst(self, i: int) -> np.ndarray:
+        return self.dest.buffer[i * self.block_bytes:(i + 1) * self.block_bytes]
+
+    def check_landed(self, column: str) -> None:
+        assert np.array_equal(self.dest.buffer, self.source.buffer), f"{column} landed different bytes"
+        self.dest.buffer[:] = 0
+
+    def close(self) -> None:
+        self.source.close()
+        self.dest.close()
+
+
+class StoreColumn:
+    """Put and get exactly as an engine does: the engine's client, its transfer engine."""
+
+    def __init__(self, client: StoreClient, transfer: TransferEngine, blocks: Blocks) -> None:
+        self.client, self.transfer, self.blocks = client, transfer, blocks
+
+    async def put(self, hashes: list[BlockHash]) -> None:
+        b = self.blocks
+        for batch in b.batches:
+            handle = self.transfer.export(b.source.region_id, [(i * b.block_bytes, b.block_bytes) for i in batch],
+                                          lease_id=f"put-{hashes[batch[0]].hex()[:16]}")
+            num_put = await self.client.put([hashes[i] for i in batch], handle)
+            assert num_put == len(batch), f"the store kept {num_put} of {len(batch)} blocks"
+
+    async def get(self, hashes: list[BlockHash]) -> None:
+        for batch in self.blocks.batches:
+            wanted = [hashes[i] for i in batch]
+            holders = await self.client.lookup(wanted)
+            lent = await self.client.acquire(wanted, holders)
+            try:
+                ops = [self.transfer.read(item.handle, [self.blocks.dst(batch[j]) for j in item.indices])
+                       for item in lent]
+                for op in ops:
+                    if op.wait(60) is not TransferState.DONE:
+                        raise RuntimeError(f"store read failed: {op.error}")
+            finally:
+                await self.client.release(lent)
+            num_got = sum(len(item.indices) for item in lent)
+            assert num_got == len(batch), f"the store lent {num_got} of {len(batch)} blocks"
+
+
+class RedisColumn:
+    """SET / GET of each block, one pipeline per batch; a GET's bytes are copied into the
+    destination, so both columns end with the blocks in the caller's memory."""
+
+    def __init__(self, client: redis.Redis, blocks: Blocks) -> None:
+        self.client, self.blocks = client, blocks
+
+    async def put(self, keys: list[bytes]) -> None:
+        for batch in self.blocks.batches:
+            pipe = self.client.pipeline(transaction=False)
+            for i in batch:
+                pipe.set(keys[i], memoryview(self.blocks.src(i)))  # sent as is, no copy
+            assert all(pipe.execute()), "a Redis SET failed"
+
+    async def get(self, keys: list[bytes]) -> None:
+        for batch in self.blocks.batches:
+            pipe = self.client.pipeline(transaction=False)
+            for i in batch:
+                pipe.get(keys[i])
+            for i, value in zip(batch, pipe.execute()):
+                self.blocks.dst(i)[:] = np.frombuffer(value, dtype=np.uint8)
+
+
+# ---------------------------------------------------------------- the rounds
+
+
+async def timed(run: Callable[[list], Awaitable[None]], keys: list) -> float:
+    start = time.perf_counter()
+    await run(keys)
+    return time.perf_counter() - start
+
+
+async def measure(store: StoreColumn, cache: RedisColumn, blocks: Blocks, stats: kvstore_pb2_grpc.KVStoreStub,
+                  reps: int) -> dict[str, list[float]]:
+    """Seconds per round of each column; round 0 is a warm-up and is not kept."""
+    times: dict[str, list[float]] = {"store_put": [], "redis_put": [], "store_get": [], "redis_get": []}
+    for rep in range(reps + 1):
+        # New hashes every round: a put of blocks the store already holds only renews them.
+        raw = np.random.default_rng(1 + rep).bytes(32 * blocks.num_blocks)
+        hashes = [BlockHash(raw[32 * i:32 * (i + 1)]) for i in range(blocks.num_blocks)]
+        round_times = {
+            "store_put": await timed(store.put, hashes),
+            "redis_put": await timed(cache.put, hashes),
+        }
+        node = await stats.GetStats(kvstore_pb2.StoreStatsRequest(), timeout=10)
+        expected = (rep + 1) * blocks.num_blocks
+        assert node.num_blocks == expected, f"store holds {node.num_blocks} blocks, not {expected}: it renewed some"
+        round_times["store_get"] = await timed(store.get, hashes)
+        blocks.check_landed("store get")
+        round_times["redis_get"] = await timed(cache.get, hashes)
+        blocks.check_landed("redis get")
+        cache.client.flushdb()  # keeps Redis's memory bounded (the store is sized for every round)
+        if rep > 0:
+            for name, seconds in round_times.items():
+                times[name].append(seconds)
+        log(f"round {rep}{' (warm-up)' if rep == 0 else ''}: " + ", ".join(
+            f"{name} {blocks.num_blocks * blocks.block_bytes / s / 1e9:.2f}" for name, s in round_times.items())
+            + " GB/s")
+    return times
+
+
+async def run(args: argparse.Namespace) -> tuple[dict[str, list[float]], int]:
+    num_bytes = args.num_blocks * args.block_bytes
+    # Every round's blocks stay in the store (no eviction on the put path), plus staging room.
+    capacity_mib = -(-num_bytes * (args.reps + 1) // 2**20) + 16
+    with tempfile.TemporaryFile() as store_log, tempfile.TemporaryDirectory(prefix="epd-bench-redis-") as redis_dir:
+        store_process, address = start_store(args.block_bytes, capacity_mib, store_log)
+        redis_process = redis_client = transfer = blocks = client = channel = None
+        try:
+            if not await wait_for_health(address, "epd.v1.KVStore", timeout_s=60):
+                store_log.seek(0)
+                raise RuntimeError(f"the store node did not start:\n{store_log.read().decode()[-3000:]}")
+            redis_process, redis_client = start_redis(redis_dir)
+            transfer = TransferEngine()
+            blocks = Blocks(transfer, args.num_blocks, args.block_bytes, args.batch_blocks)
+            client = StoreClient([address])
+            channel = grpc.aio.insecure_channel(address)
+            log(f"{args.num_blocks} blocks of {args.block_bytes} B = {num_bytes / 2**20:.0f} MiB a round, "
+                f"{args.batch_blocks} blocks an operation; store node with {capacity_mib} MiB of host memory")
+            times = await measure(StoreColumn(client, transfer, blocks), RedisColumn(redis_client, blocks), blocks,
+                                  kvstore_pb2_grpc.KVStoreStub(channel), args.reps)
+            return times, num_bytes
+        finally:
+            for closer in (client, channel):
+                if closer is not None:
+                    await closer.close()
+            if redis_client is not None:
+                redis_client.close()
+            if transfer is not None:
+                transfer.close()
+            if blocks is not None:
+                blocks.close()
+            if redis_process is not None:
+                stop(redis_process)
+            stop(store_process)
+
+
+def gb_s(num_bytes: int, times: list[float], pick=min) -> float:
+    return round(num_bytes / pick(times) / 1e9, 3)
+
+
+def report(times: dict[str, list[float]], num_bytes: int, args: argparse.Namespace) -> None:
+    for name, seconds in times.items():
+        log(f"{name:>9}: best {gb_s(num_bytes, seconds):6.2f} GB/s, median "
+            f"{gb_s(num_bytes, seconds, statistics.median):6.2f} GB/s ({args.reps} rounds)")
+    best = {f"{name}_gb_s": gb_s(num_bytes, seconds) for name, seconds in times.items()}
+    print(json.dumps({
+        "put_vs_redis": round(best["store_put_gb_s"] / best["redis_put_gb_s"], 3),
+        "get_vs_redis": round(best["store_get_gb_s"] / best["redis_get_gb_s"], 3),
+        **best,
+        **{f"{name}_median_gb_s": gb_s(num_bytes, seconds, statistics.median) for name, seconds in times.items()},
+        "block_bytes": args.block_bytes,
+        "num_blocks": args.num_blocks,
+        "batch_blocks": args.batch_blocks,
+        "stat": f"best of {args.reps} (after 1 warm-up)",
+    }))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-blocks", type=int, default=1024, help="blocks moved per round and column")
+    parser.add_argument("--batch-blocks", type=int, default=64, help="blocks per put / get operation")
+    parser.add_argument("--block-bytes", type=int, default=BLOCK_BYTES)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    if min(args.num_blocks, args.batch_blocks, args.block_bytes, args.reps) < 1:
+        parser.error("--num-blocks, --batch-blocks, --block-bytes and --reps must all be >= 1")
+    times, num_bytes = asyncio.run(run(args))
+    report(times, num_bytes, args)
+
+
+if __name__ == "__main__":
+    main()
