@@ -31,6 +31,8 @@ bench: setup
 	$(BIN)/python benchmarks/engine_throughput.py
 	$(BIN)/python benchmarks/kv_transfer.py
 	$(BIN)/python benchmarks/trace_hits.py
+	$(BIN)/python benchmarks/store_io.py
+	$(BIN)/python benchmarks/prefix_cache.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

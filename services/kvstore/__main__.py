@@ -12,12 +12,14 @@ import asyncio
 import logging
 import sys
 
+from prometheus_client import REGISTRY
+
 from kvstore.store import StoreNode
 from kvstore.transfer.engine import TransferEngine
 from services.common.config import config_or_exit
 from services.common.server import ServerOptions, serve
 from services.kvstore.config import KVStoreConfig
-from services.kvstore.servicer import Peers, add_to_server
+from services.kvstore.servicer import NodeMetrics, Peers, add_to_server
 
 
 async def expire_leases(node: StoreNode, period_s: float = 1.0) -> None:
@@ -40,6 +42,7 @@ async def run(config: KVStoreConfig) -> int:
     transfer = TransferEngine(host=config.host, port=config.transfer_port, advertise_host=config.advertise_host)
     node = StoreNode(node_id, config.layout(), transfer, make_index, config.retention())
     peers = Peers(node, registry)
+    REGISTRY.register(NodeMetrics(node))
 
     def ready(port: int, metrics_port: int | None) -> None:
         peers.address = f"{config.advertise_host or config.host}:{port}"

@@ -10,6 +10,8 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from kvstore.hashing import BlockHash
 from kvstore.redis_index import NodeRegistry
 from kvstore.store import StoreNode
@@ -115,6 +117,26 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def GetStats(self, request, context):
         s = self.node.stats()
         return kvstore_pb2.StoreStats(**{f: getattr(s, f) for f in kvstore_pb2.StoreStats.DESCRIPTOR.fields_by_name})
+
+
+class NodeMetrics:
+    """The node's figures for /metrics, read from its stats at scrape time."""
+
+    def __init__(self, node: StoreNode) -> None:
+        self.node = node
+
+    def collect(self):
+        s = self.node.stats()
+        blocks = GaugeMetricFamily("epd_kvstore_blocks", "Blocks held: in the node index, in memory, on disk.",
+                                   labels=["tier"])
+        for tier, count in (("node", s.num_blocks), ("host", s.num_host_blocks), ("disk", s.num_disk_blocks)):
+            blocks.add_metric([tier], count)
+        yield blocks
+        yield GaugeMetricFamily("epd_kvstore_leases", "Leases on lent blocks not yet released.", value=s.num_leases)
+        yield CounterMetricFamily("epd_kvstore_hit_blocks", "Blocks lent by Acquire.", value=s.num_hits)
+        yield CounterMetricFamily("epd_kvstore_miss_blocks", "Blocks asked of Acquire and not held.", value=s.num_misses)
+        yield CounterMetricFamily("epd_kvstore_corrupt_blocks", "Blocks dropped: their data failed a checksum.",
+                                  value=s.num_corrupt)
 
 
 def _hashes(raw: Sequence[bytes]) -> list[BlockHash]:

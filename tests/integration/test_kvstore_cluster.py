@@ -68,6 +68,8 @@ def test_a_prefix_written_by_one_prefill_is_hit_by_the_other(cluster):
     reader = max(new_hits, key=new_hits.get)
     assert new_puts[writer] == len(prompt) // BLOCK and new_hits[reader] == cached_second // BLOCK
     assert writer != reader  # round robin: the hit came from the other instance's work
+    assert cluster.metric("kvstore", "epd_kvstore_hit_blocks_total") >= cached_second // BLOCK
+    assert cluster.metric("kvstore", "epd_kvstore_blocks", tier="node") >= len(prompt) // BLOCK
 
 
 def test_the_next_turn_hits_the_prompt_and_the_answer(cluster):

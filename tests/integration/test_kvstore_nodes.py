@@ -82,6 +82,10 @@ def test_a_block_written_through_node_1_is_hit_through_node_2(redis_url, redis_p
             got = await read_all(through_2, reader, HASHES[:24])
             assert got is not None and all(np.array_equal(g, writer.block(i)) for i, g in enumerate(got))
             assert await through_2.lookup(HASHES[24:26]) == []
+            for address in addresses:  # every lease was released
+                async with grpc.aio.insecure_channel(address) as channel:
+                    stats = await kvstore_pb2_grpc.KVStoreStub(channel).GetStats(kvstore_pb2.StoreStatsRequest())
+                assert stats.num_leases == 0 and stats.num_blocks > 0
         finally:
             await through_1.close()
             await through_2.close()
