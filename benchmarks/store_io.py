@@ -8,8 +8,8 @@ the same size:
     writer region (/dev/shm) holding the blocks   -->  store node (python -m services.kvstore):
       put = export(ranges) + StoreClient.put             reads the blocks one-sided (shm),
                                                           checks every checksum, keeps them
-      get = lookup + acquire + TransferEngine.read  <--  lends its host slots under a lease
-            (checksums checked) + release
+      get = acquire_prefix + TransferEngine.read    <--  lends its host slots under a lease
+            (checksums checked) + release_soon           (one node: no lookup round trip)
     the same blocks, the same batch size          -->  redis-server (--save "" --appendonly no):
       put = pipelined SET of each block                  keeps them in its heap
       get = pipelined GET, copied into the dest     <--
@@ -145,9 +145,7 @@ class StoreColumn:
 
     async def get(self, hashes: list[BlockHash]) -> None:
         for batch in self.blocks.batches:
-            wanted = [hashes[i] for i in batch]
-            holders = await self.client.lookup(wanted)
-            lent = await self.client.acquire(wanted, holders)
+            lent = await self.client.acquire_prefix([hashes[i] for i in batch])
             try:
                 ops = [self.transfer.read(item.handle, [self.blocks.dst(batch[j]) for j in item.indices])
                        for item in lent]
@@ -155,7 +153,7 @@ class StoreColumn:
                     if op.wait(60) is not TransferState.DONE:
                         raise RuntimeError(f"store read failed: {op.error}")
             finally:
-                await self.client.release(lent)
+                self.client.release_soon(lent)
             num_got = sum(len(item.indices) for item in lent)
             assert num_got == len(batch), f"the store lent {num_got} of {len(batch)} blocks"
 

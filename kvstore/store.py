@@ -106,7 +106,13 @@ class StoreNode:
     def lookup(self, hashes: Sequence[BlockHash]) -> list[bool]:
         """Which of ``hashes`` this node holds (each on its own); renews those."""
         with self._lock:
-            return self.index.present(hashes) if self.index is not None else [False] * len(hashes)
+            if self.index is None:
+                return [False] * len(hashes)
+            held = self.index.present(hashes)
+            for block_hash, is_held in zip(hashes, held):
+                if is_held:
+                    self._renew_tiers(block_hash)
+            return held
 
     def acquire(self, hashes: Sequence[BlockHash]) -> KVHandle | None:
         """Pin the leading held blocks of ``hashes`` under a new lease; None when the first is a miss."""
@@ -256,6 +262,10 @@ class StoreNode:
     def _insert(self, block_hash: BlockHash, ttl_s: float) -> None:
         for gone in self.index.insert(block_hash, ttl_s):
             self._drop(gone)
+        self._renew_tiers(block_hash)
+
+    def _renew_tiers(self, block_hash: BlockHash) -> None:
+        """A use the node index saw is a use for the tiers too (their LRU, their TTL)."""
         self.host.index.lookup([block_hash])
         if self.disk is not None:
             self.disk.lookup([block_hash])
@@ -264,9 +274,7 @@ class StoreNode:
         """The block's host slot, reading it back from disk if it is only there; None: lost."""
         slot = self.host.slot_of(block_hash)
         if slot is not None:
-            self.host.index.lookup([block_hash])
-            if self.disk is not None:
-                self.disk.lookup([block_hash])
+            self._renew_tiers(block_hash)
             return slot
         data = self.disk.get(block_hash) if self.disk is not None else None
         if data is not None:

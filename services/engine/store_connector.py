@@ -73,7 +73,15 @@ class StoreConnector:
 
     async def pull(self, token_ids: list[int], mm_inputs: tuple[MultiModalInput, ...] = (),
                    cache_salt: str = "") -> int:
-        """Read the prompt's store hits into the engine's prefix cache; blocks read."""
+        """Read the prompt's store hits into the engine's prefix cache; blocks read (0 on any
+        store failure: the prompt is then computed, never failed)."""
+        try:
+            return await self._pull(token_ids, mm_inputs, cache_salt)
+        except Exception:  # noqa: BLE001 - a cache read: losing it only costs compute
+            logger.exception("KV store read failed: computing the prompt")
+            return 0
+
+    async def _pull(self, token_ids: list[int], mm_inputs: tuple[MultiModalInput, ...], cache_salt: str) -> int:
         engine, llm = self.instance.engine, self.instance.llm
         if self.instance.region is None:
             return 0  # a device pool: store reads need a host pool (see docs)
@@ -83,19 +91,23 @@ class StoreConnector:
         if num_local >= max_blocks:
             return 0
         STORE_LOOKUP_BLOCKS.inc(max_blocks - num_local)
-        holders = await self.client.lookup(hashes[num_local:max_blocks])
-        num_blocks = await self._apply_hit_rule(len(token_ids), hashes, num_local + len(holders))
-        if num_blocks <= num_local:
-            return 0
-        reservation = await engine.call(llm.reserve_prefix, token_ids, hashes, num_blocks)
-        if reservation is None:
-            return 0
-        num_filled = 0
+        lent = await self.client.acquire_prefix(hashes[num_local:max_blocks])
         try:
-            num_filled = await self._read(hashes[num_local:num_blocks], holders[:num_blocks - num_local],
-                                          reservation.block_ids[reservation.num_local_blocks:])
+            num_held = sum(len(item.indices) for item in lent)
+            num_blocks = await self._apply_hit_rule(len(token_ids), hashes, num_local + num_held)
+            if num_blocks <= num_local:
+                return 0
+            reservation = await engine.call(llm.reserve_prefix, token_ids, hashes, num_blocks)
+            if reservation is None:
+                return 0
+            num_filled = 0
+            try:
+                num_filled = await self._read(lent, num_blocks - num_local,
+                                              reservation.block_ids[reservation.num_local_blocks:])
+            finally:
+                await engine.call(llm.fill_prefix, reservation, token_ids, hashes, num_filled)
         finally:
-            await engine.call(llm.fill_prefix, reservation, token_ids, hashes, num_filled)
+            self.client.release_soon(lent)
         STORE_HIT_BLOCKS.inc(num_filled)
         return num_filled
 
@@ -108,22 +120,27 @@ class StoreConnector:
             has_window = await self.client.has_window(hashes[l1 // bs - 1], l1)
         return hit_tokens(num_tokens, bs, num_block_hits, self.shape, lambda end: has_window) // bs
 
-    async def _read(self, hashes: list[BlockHash], holders: list[list[str]], block_ids: list[int]) -> int:
-        """Acquire and read the blocks into ``block_ids``; how many leading ones arrived."""
-        lent = await self.client.acquire(hashes, holders)
-        try:
-            llm = self.instance.llm
-            errors = await asyncio.gather(*(
-                read_kv(self.instance.transfer, item.handle, [llm.block_buffer(block_ids[i]).numpy() for i in item.indices])
-                for item in lent))
-        finally:
-            await self.client.release(lent)
-        arrived = {i for item, error in zip(lent, errors) if error is None for i in item.indices}
-        for item, error in zip(lent, errors):
-            if error is not None:
+    async def _read(self, lent: list, num_blocks: int, block_ids: list[int]) -> int:
+        """Read the first ``num_blocks`` lent blocks into ``block_ids``; how many leading ones
+        arrived (the leases stay with the caller)."""
+        llm, reads = self.instance.llm, []
+        for item in lent:
+            wanted = [j for j, i in enumerate(item.indices) if i < num_blocks]
+            if wanted:
+                handle = KVHandle(item.handle.lease_id, item.handle.owner, item.handle.regions,
+                                  tuple(item.handle.blocks[j] for j in wanted))
+                reads.append((item, [item.indices[j] for j in wanted], handle))
+        errors = await asyncio.gather(*(
+            read_kv(self.instance.transfer, handle, [llm.block_buffer(block_ids[i]).numpy() for i in indices])
+            for _, indices, handle in reads))
+        arrived = set()
+        for (item, indices, _), error in zip(reads, errors):
+            if error is None:
+                arrived.update(indices)
+            else:
                 logger.warning("reading %d blocks from store %s failed (%s): they are recomputed",
-                               len(item.indices), item.address, error)
-        return next((i for i in range(len(hashes)) if i not in arrived), len(hashes))
+                               len(indices), item.address, error)
+        return next((i for i in range(num_blocks) if i not in arrived), num_blocks)
 
     # ----- write-back ---------------------------------------------------------------------
     def push_soon(self, token_ids: list[int], mm_inputs: tuple[MultiModalInput, ...] = (),

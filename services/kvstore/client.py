@@ -3,7 +3,10 @@
     lookup(hashes)            ask every entry node which nodes hold each block
                               (with a shared Redis index one node answers for all)
     acquire(hashes, holders)  pin the hit blocks on their nodes, in parallel; one lease each
-    ... read them one-sided with the transfer engine, then release(lent) ...
+    acquire_prefix(hashes)    both (a single node is asked to acquire straight away)
+    ... read them one-sided with the transfer engine, then release_soon(lent): the leases
+        ride along with the next Acquire to that node, or go in a Release of their own
+        once the client has been idle a few milliseconds ...
     put(hashes, source)       each block goes to its ``replicas`` nodes by rendezvous hashing
                               (kvstore/placement.py); the nodes read it from the writer
 
@@ -33,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 _DEAD_FOR_S = 5.0
 """How long a node that failed an RPC is skipped."""
+_RELEASE_AFTER_S = 0.005
+"""How long a finished read's lease waits for an Acquire to the same node to carry it."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,8 @@ class StoreClient:
         self._dead_until: dict[str, float] = {}
         self._nodes: dict[str, str] = {}  # node id -> address
         self._nodes_at = float("-inf")
+        self._releases: set[asyncio.Task] = set()
+        self._to_release: dict[str, list[str]] = {}  # address -> lease ids of finished reads
 
     # ----- reads -------------------------------------------------------------------------------
     async def lookup(self, hashes: Sequence[BlockHash]) -> list[list[str]]:
@@ -95,7 +102,8 @@ class StoreClient:
             if not wanted:
                 break
             replies = await asyncio.gather(*(
-                self._call(a, "Acquire", kvstore_pb2.AcquireRequest(hashes=[hashes[i] for i in idx]))
+                self._call(a, "Acquire", kvstore_pb2.AcquireRequest(
+                    hashes=[hashes[i] for i in idx], release_lease_ids=self._to_release.pop(a, [])))
                 for a, idx in wanted.items()))
             for (address, indices), reply in zip(wanted.items(), replies):
                 if reply is not None and reply.HasField("kv"):
@@ -114,9 +122,39 @@ class StoreClient:
         await self.release(useless)
         return useful
 
+    async def acquire_prefix(self, hashes: Sequence[BlockHash]) -> list[Lent]:
+        """Lookup + acquire; with one store node the lookup round trip is skipped (its Acquire
+        lends the leading blocks it holds, which is all there is)."""
+        if not hashes:
+            return []
+        nodes = await self.nodes()
+        if len(nodes) == 1:
+            address = next(iter(nodes.values()))
+            return await self.acquire(hashes, [[address]] * len(hashes))
+        return await self.acquire(hashes, await self.lookup(hashes))
+
     async def release(self, lent: Sequence[Lent]) -> None:
         await asyncio.gather(*(self._call(item.address, "Release", kvstore_pb2.StoreReleaseRequest(
             lease_id=item.handle.lease_id)) for item in lent))
+
+    def release_soon(self, lent: Sequence[Lent]) -> None:
+        """Release without a round trip of its own when the client is busy (see the module
+        docstring); close() releases whatever is left."""
+        for item in lent:
+            self._to_release.setdefault(item.address, []).append(item.handle.lease_id)
+        if lent:
+            asyncio.get_running_loop().call_later(_RELEASE_AFTER_S, self._flush_releases)
+
+    def _flush_releases(self) -> None:
+        pending, self._to_release = self._to_release, {}
+        for address, lease_ids in pending.items():
+            task = asyncio.get_running_loop().create_task(self._release_ids(address, lease_ids))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
+    async def _release_ids(self, address: str, lease_ids: list[str]) -> None:
+        await asyncio.gather(*(self._call(address, "Release", kvstore_pb2.StoreReleaseRequest(lease_id=lease_id))
+                               for lease_id in lease_ids))
 
     # ----- writes ------------------------------------------------------------------------------
     async def put(self, hashes: Sequence[BlockHash], source: KVHandle, request_class: str = "chat") -> int:
@@ -154,6 +192,9 @@ class StoreClient:
         return {n: a for n, a in self._nodes.items() if self._is_alive(a)}
 
     async def close(self) -> None:
+        self._flush_releases()
+        if self._releases:
+            await asyncio.gather(*self._releases, return_exceptions=True)
         channels, self._channels, self._stubs = self._channels, [], {}
         for channel in channels:
             await channel.close()

@@ -1,7 +1,9 @@
 """The KVStore gRPC service: a thin shell over one :class:`~kvstore.store.StoreNode`.
 
-Blocking node work (reads of a writer's blocks, disk reads) runs in threads, off the event
-loop. With a shared Redis, :class:`Peers` lets any node answer a lookup for every live node.
+Blocking node work (reads of a writer's blocks, disk reads, Redis calls) runs in threads, off
+the event loop; a memory-only node answers lookups and acquires inline, since a thread hop
+would cost more than the work. With a shared Redis, :class:`Peers` lets any node answer a
+lookup for every live node.
 """
 
 from __future__ import annotations
@@ -69,13 +71,19 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, node: StoreNode, peers: Peers) -> None:
         self.node = node
         self.peers = peers
+        self.is_memory_only = not node.layout.disk_dir and peers.registry is None
+
+    async def _run(self, fn, *args):
+        return fn(*args) if self.is_memory_only else await asyncio.to_thread(fn, *args)
 
     async def Lookup(self, request, context):
-        holders = await asyncio.to_thread(self.peers.lookup, _hashes(request.hashes))
+        holders = await self._run(self.peers.lookup, _hashes(request.hashes))
         return kvstore_pb2.LookupResponse(holders=[kvstore_pb2.Holders(node_addresses=h) for h in holders])
 
     async def Acquire(self, request, context):
-        handle = await asyncio.to_thread(self.node.acquire, _hashes(request.hashes))
+        for lease_id in request.release_lease_ids:
+            self.node.release(lease_id)
+        handle = await self._run(self.node.acquire, _hashes(request.hashes))
         reply = kvstore_pb2.AcquireResponse()
         if handle is not None:
             reply.kv.CopyFrom(kv_handle_to_proto(handle))
@@ -100,7 +108,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                                        num_failed=result.num_failed)
 
     async def Nodes(self, request, context):
-        nodes = await asyncio.to_thread(self.peers.nodes)
+        nodes = await self._run(self.peers.nodes)
         return kvstore_pb2.NodesResponse(nodes=[kvstore_pb2.StoreNode(node_id=n, address=a) for n, a in nodes])
 
     async def PutWindow(self, request, context):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkvstore.proto\x12\x06\x65pd.v1\"0\n\x08\x45ndpoint\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x13\n\x0btcp_address\x18\x02 \x01(\t\"A\n\nRegionDesc\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\x10\n\x08shm_path\x18\x02 \x01(\t\x12\x0e\n\x06length\x18\x03 \x01(\x03\"P\n\tBlockDesc\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\"\x85\x01\n\x08KVHandle\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x1f\n\x05owner\x18\x02 \x01(\x0b\x32\x10.epd.v1.Endpoint\x12#\n\x07regions\x18\x03 \x03(\x0b\x32\x12.epd.v1.RegionDesc\x12!\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x11.epd.v1.BlockDesc\"\x1f\n\rLookupRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"!\n\x07Holders\x12\x16\n\x0enode_addresses\x18\x01 \x03(\t\"2\n\x0eLookupResponse\x12 \n\x07holders\x18\x01 \x03(\x0b\x32\x0f.epd.v1.Holders\" \n\x0e\x41\x63quireRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"/\n\x0f\x41\x63quireResponse\x12\x1c\n\x02kv\x18\x01 \x01(\x0b\x32\x10.epd.v1.KVHandle\"U\n\nPutRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\x12 \n\x06source\x18\x02 \x01(\x0b\x32\x10.epd.v1.KVHandle\x12\x15\n\rrequest_class\x18\x03 \x01(\t\"J\n\x0bPutResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\x05\x12\x13\n\x0bnum_renewed\x18\x02 \x01(\x05\x12\x12\n\nnum_failed\x18\x03 \x01(\x05\"\'\n\x13StoreReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"(\n\x14StoreReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x0e\n\x0cNodesRequest\"-\n\tStoreNode\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"1\n\rNodesResponse\x12 \n\x05nodes\x18\x01 \x03(\x0b\x32\x11.epd.v1.StoreNode\"6\n\tWindowKey\x12\x15\n\rsequence_hash\x18\x01 \x01(\x0c\x12\x12\n\nwindow_end\x18\x02 \x01(\x03\"@\n\x10PutWindowRequest\x12\x1e\n\x03key\x18\x01 \x01(\x0b\x32\x11.epd.v1.WindowKey\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x13\n\x11PutWindowResponse\"-\n\x0eWindowResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x13\n\x11StoreStatsRequest\"\x98\x02\n\nStoreStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x03\x12\x17\n\x0fnum_host_blocks\x18\x03 \x01(\x03\x12\x17\n\x0fnum_disk_blocks\x18\x04 \x01(\x03\x12\x1c\n\x14host_capacity_blocks\x18\x05 \x01(\x03\x12\x1c\n\x14\x64isk_capacity_blocks\x18\x06 \x01(\x03\x12\x12\n\nnum_leases\x18\x07 \x01(\x05\x12\x13\n\x0bnum_windows\x18\x08 \x01(\x03\x12\x10\n\x08num_hits\x18\t \x01(\x03\x12\x12\n\nnum_misses\x18\n \x01(\x03\x12\x13\n\x0bnum_corrupt\x18\x0b \x01(\x03\x12\x13\n\x0b\x62lock_bytes\x18\x0c \x01(\x03\x32\x97\x04\n\x07KVStore\x12\x37\n\x06Lookup\x12\x15.epd.v1.LookupRequest\x1a\x16.epd.v1.LookupResponse\x12:\n\x07\x41\x63quire\x12\x16.epd.v1.AcquireRequest\x1a\x17.epd.v1.AcquireResponse\x12\x44\n\x07Release\x12\x1b.epd.v1.StoreReleaseRequest\x1a\x1c.epd.v1.StoreReleaseResponse\x12.\n\x03Put\x12\x12.epd.v1.PutRequest\x1a\x13.epd.v1.PutResponse\x12\x34\n\x05Nodes\x12\x14.epd.v1.NodesRequest\x1a\x15.epd.v1.NodesResponse\x12@\n\tPutWindow\x12\x18.epd.v1.PutWindowRequest\x1a\x19.epd.v1.PutWindowResponse\x12\x36\n\tGetWindow\x12\x11.epd.v1.WindowKey\x1a\x16.epd.v1.WindowResponse\x12\x36\n\tHasWindow\x12\x11.epd.v1.WindowKey\x1a\x16.epd.v1.WindowResponse\x12\x39\n\x08GetStats\x12\x19.epd.v1.StoreStatsRequest\x1a\x12.epd.v1.StoreStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rkvstore.proto\x12\x06\x65pd.v1\"0\n\x08\x45ndpoint\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x13\n\x0btcp_address\x18\x02 \x01(\t\"A\n\nRegionDesc\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\x10\n\x08shm_path\x18\x02 \x01(\t\x12\x0e\n\x06length\x18\x03 \x01(\x03\"P\n\tBlockDesc\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06length\x18\x03 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\"\x85\x01\n\x08KVHandle\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x1f\n\x05owner\x18\x02 \x01(\x0b\x32\x10.epd.v1.Endpoint\x12#\n\x07regions\x18\x03 \x03(\x0b\x32\x12.epd.v1.RegionDesc\x12!\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x11.epd.v1.BlockDesc\"\x1f\n\rLookupRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"!\n\x07Holders\x12\x16\n\x0enode_addresses\x18\x01 \x03(\t\"2\n\x0eLookupResponse\x12 \n\x07holders\x18\x01 \x03(\x0b\x32\x0f.epd.v1.Holders\";\n\x0e\x41\x63quireRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\x12\x19\n\x11release_lease_ids\x18\x02 \x03(\t\"/\n\x0f\x41\x63quireResponse\x12\x1c\n\x02kv\x18\x01 \x01(\x0b\x32\x10.epd.v1.KVHandle\"U\n\nPutRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\x12 \n\x06source\x18\x02 \x01(\x0b\x32\x10.epd.v1.KVHandle\x12\x15\n\rrequest_class\x18\x03 \x01(\t\"J\n\x0bPutResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\x05\x12\x13\n\x0bnum_renewed\x18\x02 \x01(\x05\x12\x12\n\nnum_failed\x18\x03 \x01(\x05\"\'\n\x13StoreReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"(\n\x14StoreReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x0e\n\x0cNodesRequest\"-\n\tStoreNode\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"1\n\rNodesResponse\x12 \n\x05nodes\x18\x01 \x03(\x0b\x32\x11.epd.v1.StoreNode\"6\n\tWindowKey\x12\x15\n\rsequence_hash\x18\x01 \x01(\x0c\x12\x12\n\nwindow_end\x18\x02 \x01(\x03\"@\n\x10PutWindowRequest\x12\x1e\n\x03key\x18\x01 \x01(\x0b\x32\x11.epd.v1.WindowKey\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x13\n\x11PutWindowResponse\"-\n\x0eWindowResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x13\n\x11StoreStatsRequest\"\x98\x02\n\nStoreStats\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x03\x12\x17\n\x0fnum_host_blocks\x18\x03 \x01(\x03\x12\x17\n\x0fnum_disk_blocks\x18\x04 \x01(\x03\x12\x1c\n\x14host_capacity_blocks\x18\x05 \x01(\x03\x12\x1c\n\x14\x64isk_capacity_blocks\x18\x06 \x01(\x03\x12\x12\n\nnum_leases\x18\x07 \x01(\x05\x12\x13\n\x0bnum_windows\x18\x08 \x01(\x03\x12\x10\n\x08num_hits\x18\t \x01(\x03\x12\x12\n\nnum_misses\x18\n \x01(\x03\x12\x13\n\x0bnum_corrupt\x18\x0b \x01(\x03\x12\x13\n\x0b\x62lock_bytes\x18\x0c \x01(\x03\x32\x97\x04\n\x07KVStore\x12\x37\n\x06Lookup\x12\x15.epd.v1.LookupRequest\x1a\x16.epd.v1.LookupResponse\x12:\n\x07\x41\x63quire\x12\x16.epd.v1.AcquireRequest\x1a\x17.epd.v1.AcquireResponse\x12\x44\n\x07Release\x12\x1b.epd.v1.StoreReleaseRequest\x1a\x1c.epd.v1.StoreReleaseResponse\x12.\n\x03Put\x12\x12.epd.v1.PutRequest\x1a\x13.epd.v1.PutResponse\x12\x34\n\x05Nodes\x12\x14.epd.v1.NodesRequest\x1a\x15.epd.v1.NodesResponse\x12@\n\tPutWindow\x12\x18.epd.v1.PutWindowRequest\x1a\x19.epd.v1.PutWindowResponse\x12\x36\n\tGetWindow\x12\x11.epd.v1.WindowKey\x1a\x16.epd.v1.WindowResponse\x12\x36\n\tHasWindow\x12\x11.epd.v1.WindowKey\x1a\x16.epd.v1.WindowResponse\x12\x39\n\x08GetStats\x12\x19.epd.v1.StoreStatsRequest\x1a\x12.epd.v1.StoreStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,35 +46,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPRESPONSE']._serialized_start=428
   _globals['_LOOKUPRESPONSE']._serialized_end=478
   _globals['_ACQUIREREQUEST']._serialized_start=480
-  _globals['_ACQUIREREQUEST']._serialized_end=512
-  _globals['_ACQUIRERESPONSE']._serialized_start=514
-  _globals['_ACQUIRERESPONSE']._serialized_end=561
-  _globals['_PUTREQUEST']._serialized_start=563
-  _globals['_PUTREQUEST']._serialized_end=648
-  _globals['_PUTRESPONSE']._serialized_start=650
-  _globals['_PUTRESPONSE']._serialized_end=724
-  _globals['_STORERELEASEREQUEST']._serialized_start=726
-  _globals['_STORERELEASEREQUEST']._serialized_end=765
-  _globals['_STORERELEASERESPONSE']._serialized_start=767
-  _globals['_STORERELEASERESPONSE']._serialized_end=807
-  _globals['_NODESREQUEST']._serialized_start=809
-  _globals['_NODESREQUEST']._serialized_end=823
-  _globals['_STORENODE']._serialized_start=825
-  _globals['_STORENODE']._serialized_end=870
-  _globals['_NODESRESPONSE']._serialized_start=872
-  _globals['_NODESRESPONSE']._serialized_end=921
-  _globals['_WINDOWKEY']._serialized_start=923
-  _globals['_WINDOWKEY']._serialized_end=977
-  _globals['_PUTWINDOWREQUEST']._serialized_start=979
-  _globals['_PUTWINDOWREQUEST']._serialized_end=1043
-  _globals['_PUTWINDOWRESPONSE']._serialized_start=1045
-  _globals['_PUTWINDOWRESPONSE']._serialized_end=1064
-  _globals['_WINDOWRESPONSE']._serialized_start=1066
-  _globals['_WINDOWRESPONSE']._serialized_end=1111
-  _globals['_STORESTATSREQUEST']._serialized_start=1113
-  _globals['_STORESTATSREQUEST']._serialized_end=1132
-  _globals['_STORESTATS']._serialized_start=1135
-  _globals['_STORESTATS']._serialized_end=1415
-  _globals['_KVSTORE']._serialized_start=1418
-  _globals['_KVSTORE']._serialized_end=1953
+  _globals['_ACQUIREREQUEST']._serialized_end=539
+  _globals['_ACQUIRERESPONSE']._serialized_start=541
+  _globals['_ACQUIRERESPONSE']._serialized_end=588
+  _globals['_PUTREQUEST']._serialized_start=590
+  _globals['_PUTREQUEST']._serialized_end=675
+  _globals['_PUTRESPONSE']._serialized_start=677
+  _globals['_PUTRESPONSE']._serialized_end=751
+  _globals['_STORERELEASEREQUEST']._serialized_start=753
+  _globals['_STORERELEASEREQUEST']._serialized_end=792
+  _globals['_STORERELEASERESPONSE']._serialized_start=794
+  _globals['_STORERELEASERESPONSE']._serialized_end=834
+  _globals['_NODESREQUEST']._serialized_start=836
+  _globals['_NODESREQUEST']._serialized_end=850
+  _globals['_STORENODE']._serialized_start=852
+  _globals['_STORENODE']._serialized_end=897
+  _globals['_NODESRESPONSE']._serialized_start=899
+  _globals['_NODESRESPONSE']._serialized_end=948
+  _globals['_WINDOWKEY']._serialized_start=950
+  _globals['_WINDOWKEY']._serialized_end=1004
+  _globals['_PUTWINDOWREQUEST']._serialized_start=1006
+  _globals['_PUTWINDOWREQUEST']._serialized_end=1070
+  _globals['_PUTWINDOWRESPONSE']._serialized_start=1072
+  _globals['_PUTWINDOWRESPONSE']._serialized_end=1091
+  _globals['_WINDOWRESPONSE']._serialized_start=1093
+  _globals['_WINDOWRESPONSE']._serialized_end=1138
+  _globals['_STORESTATSREQUEST']._serialized_start=1140
+  _globals['_STORESTATSREQUEST']._serialized_end=1159
+  _globals['_STORESTATS']._serialized_start=1162
+  _globals['_STORESTATS']._serialized_end=1442
+  _globals['_KVSTORE']._serialized_start=1445
+  _globals['_KVSTORE']._serialized_end=1980
 # @@protoc_insertion_point(module_scope)

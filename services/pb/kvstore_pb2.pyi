@@ -67,10 +67,12 @@ class LookupResponse(_message.Message):
     def __init__(self, holders: _Optional[_Iterable[_Union[Holders, _Mapping]]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("hashes",)
+    __slots__ = ("hashes", "release_lease_ids")
     HASHES_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    release_lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ..., release_lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("kv",)

@@ -89,6 +89,37 @@ def test_export_import_continues_exactly_where_the_first_engine_stopped(tiny_lla
     assert first + out.token_ids == reference
 
 
+def test_a_prefix_read_into_reserved_blocks_is_hit_and_salts_keep_caches_apart(tiny_llama_dir):
+    """The KV store's seam: reserve_prefix, fill the blocks, fill_prefix; then a request hits them."""
+    prompt = random_prompts(1, [150], seed=7)[0]
+    reference = LLM(str(tiny_llama_dir), num_kv_blocks=64).generate(prompt, GREEDY)[0].token_ids
+    source = LLM(str(tiny_llama_dir), num_kv_blocks=64)
+    source.generate(prompt, SamplingParams(temperature=0, max_tokens=1))
+    hashes, num_local = source.engine.prompt_hashes(prompt)
+    assert len(hashes) == 9 and num_local == 9
+    salted, num_salted_local = source.engine.prompt_hashes(prompt, cache_salt="tenant-b")
+    assert num_salted_local == 0 and not set(salted) & set(hashes)
+    export = source.engine.export_kv(prompt, hashes)
+
+    target = LLM(str(tiny_llama_dir), num_kv_blocks=64)
+    target.generate(prompt[:40], SamplingParams(temperature=0, max_tokens=1))  # 2 blocks cached locally
+    reservation = target.engine.reserve_prefix(prompt, hashes, 9)
+    assert reservation.num_local_blocks == 2 and len(reservation.block_ids) == 9
+    for block_id, source_id in zip(reservation.block_ids[2:8], export.block_ids[2:8]):  # 6 of the 7 arrive
+        target.engine.block_buffer(block_id).copy_(source.engine.block_buffer(source_id))
+    target.engine.fill_prefix(reservation, prompt, hashes, 6)
+    source.engine.release(export)
+    assert target.engine.prompt_hashes(prompt)[1] == 8  # the 9th never arrived: not findable
+    out = target.generate(prompt, GREEDY)[0]
+    assert out.num_cached_tokens == 8 * 16 and out.token_ids == reference
+    engine = target.engine
+    engine.add_request(prompt, GREEDY, request_id="tenant-b", cache_salt="tenant-b")
+    other = None
+    while engine.has_unfinished_requests():
+        other = next((o for o in engine.step() if o.finished), other)
+    assert other.num_cached_tokens == 0 and other.token_ids == reference  # same tokens, no shared KV
+
+
 def test_pinned_blocks_that_starve_a_request_raise_instead_of_hanging(tiny_llama_dir):
     small = LLM(str(tiny_llama_dir), num_kv_blocks=8)
     prompt = random_prompts(1, [100], seed=8)[0]

@@ -84,6 +84,20 @@ def test_ttl_follows_the_request_class_and_a_hit_renews_it(engines, clock):
     node.close()
 
 
+def test_lookups_alone_keep_blocks_servable(engines, clock, tmp_path):
+    """A writer's lookup (to skip what is held) renews the tiers too, not just the node index."""
+    writer = Writer(engines())
+    node = make_node(engines, clock, disk_dir=str(tmp_path), disk_capacity_bytes=64 * BLOCK)
+    node.put(HASHES[:3], writer.handle(range(3)), "chat")  # 300 s
+    for _ in range(3):
+        clock.now += 200
+        assert node.lookup(HASHES[:3]) == [True] * 3
+    handle = node.acquire(HASHES[:3])
+    assert handle is not None and len(handle.blocks) == 3
+    node.release(handle.lease_id)
+    node.close()
+
+
 def test_eviction_keeps_the_node_within_capacity_and_lent_blocks_intact(engines, clock):
     writer, node, reader = Writer(engines()), make_node(engines, clock, host_capacity_bytes=8 * BLOCK), engines()
     node.put(HASHES[:4], writer.handle(range(4)))
