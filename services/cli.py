@@ -2,6 +2,7 @@
 
 Usage:
     epd up [--prefills N] [--decodes N] [--encoders N] [--port 8000] ...   (the local cluster)
+    epd admin instances | drain ID | undrain ID | policies | policy ROLE NAME | buckets ...
     epd chat "message" [--model M] [--max-tokens N] [--temperature T] [--seed S]
     epd generate "prompt" [--model M] [--max-tokens N] [--temperature T] [--seed S]
 
@@ -23,6 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description="epd: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("up", help="start the local cluster (encoder, prefill, decode, router); see epd up --help")
+    sub.add_parser("admin", help="the router's admin API (instances, drain, policies, buckets); see epd admin --help")
     for name, help_text in (("chat", "answer one chat message with the model's chat template"),
                             ("generate", "continue a raw text prompt")):
         p = sub.add_parser(name, help=help_text)
@@ -40,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["up"]:
         from services.launcher import main as up
         return up(argv[1:])
+    if argv[:1] == ["admin"]:
+        from services.router.admin_cli import main as admin
+        return admin(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -22,6 +22,7 @@ import glob
 import logging
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -82,6 +83,10 @@ class UpConfig:
     node); empty: ~/.cache/epd/kvstore; "none": memory only."""
     kvstore_disk_gib: float = 8.0
     """Disk tier of each store node."""
+    admin_port: int = 8001
+    """The router's admin API port (on 127.0.0.1)."""
+    admin_token: str = ""
+    """Bearer token of the admin API; empty: a random one, printed at start."""
 
     def __post_init__(self) -> None:
         check(self.encoders >= 0, "encoders", "must be >= 0")
@@ -147,6 +152,7 @@ class Cluster:
     def __init__(self, config: UpConfig) -> None:
         self.config = config
         self.children: list[Child] = []
+        self.admin_token = config.admin_token or secrets.token_urlsafe(24)
 
     def _spawn(self, name: str, module: str, args: list[str]) -> Child:
         host = self.config.host
@@ -190,9 +196,12 @@ class Cluster:
         router_args = [arg for child in prefills for arg in ("--prefill", child.address)]
         router_args += [arg for child in decodes for arg in ("--decode", child.address)]
         router_args += [arg for child in encoders for arg in ("--encoder", child.address)]
+        router_args += ["--admin-port", str(c.admin_port)]
+        # The token goes by environment, not argv: other users can read a process's argv.
+        env = {**os.environ, "EPD_ROUTER_ADMIN_TOKEN": self.admin_token}
         router = Child("router", f"{c.host}:{c.port}", subprocess.Popen(
             [sys.executable, "-m", "services.router", "--host", c.host, "--port", str(c.port), *router_args],
-            preexec_fn=_die_with_parent))
+            preexec_fn=_die_with_parent, env=env))
         self.children.append(router)
         url = f"http://{router.address}"
         await self._wait_http(router, url + "/health")
@@ -263,6 +272,8 @@ async def run(config: UpConfig) -> int:
         url = starting.result()
         for child in cluster.children:
             print(f"  {child.name:<10} {child.address}  (pid {child.process.pid})", flush=True)
+        print(f"  admin API  http://127.0.0.1:{config.admin_port}/admin/  token {cluster.admin_token}"
+              f"  (export EPD_ROUTER_ADMIN_TOKEN=... for epd admin)", flush=True)
         print(f"epd is up: {url}/v1  (OpenAI API; Ctrl-C stops everything)", flush=True)
         while not stop.is_set():
             if (dead := cluster.exited()) is not None:

@@ -70,7 +70,7 @@ class RunningCluster:
 @contextlib.contextmanager
 def running_cluster(model: str, **settings) -> Iterator[RunningCluster]:
     """``epd up`` with ``settings``; store nodes keep to memory (64 MiB) unless told otherwise."""
-    settings = {"kvstore_dir": "none", "kvstore_capacity_mib": 64, **settings}
+    settings = {"kvstore_dir": "none", "kvstore_capacity_mib": 64, "admin_port": free_port("127.0.0.1"), **settings}
     config = UpConfig(model=model, port=free_port("127.0.0.1"), **settings)
     cluster = Cluster(config)
     try:

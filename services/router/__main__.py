@@ -17,29 +17,67 @@ import uvicorn
 from services.common.config import config_or_exit
 from services.router.config import RouterConfig
 from services.router.http import create_app
+from services.router.metrics import register_pool_metrics
+from services.router.admin import create_admin_app
 from services.router.pipeline import ClusterBackend
+from services.router.policies import Policy, make_policy
+from services.router.policies.prefill_buckets import scale_bounds
 
 logger = logging.getLogger("services.router")
 
 
+def policies(config: RouterConfig) -> dict[str, Policy]:
+    return {"prefill": make_policy(config.prefill_policy), "decode": make_policy(config.decode_policy),
+            "encoder": make_policy(config.encoder_policy)}
+
+
+def configure_buckets(policy: Policy, config: RouterConfig, max_model_len: int) -> None:
+    """Bucket bounds, caps and round period from the config (bounds scaled to the model)."""
+    if hasattr(policy, "configure"):
+        policy.configure(bounds=config.bucket_bounds or scale_bounds(max_model_len),
+                         caps=config.bucket_caps or None, round_s=config.round_s)
+
+
 async def run(config: RouterConfig) -> int:
-    backend = ClusterBackend(config.prefill, config.decode, config.encoder)
+    backend = ClusterBackend(config.prefill, config.decode, config.encoder, policies(config),
+                             health_timeout_s=config.health_timeout_s)
     try:
         await backend.connect(timeout_s=config.connect_timeout_s)
     except grpc.aio.AioRpcError as exc:
         logger.error("no prefill instance described the model within %.0f s: %s", config.connect_timeout_s, exc)
         await backend.close()
         return 1
+    register_pool_metrics({"prefill": backend.prefills, "decode": backend.decodes, "encoder": backend.encoders})
+    configure_buckets(backend.prefills.policy, config, backend.max_model_len)
     app = create_app(backend, served_model_names=list(config.served_model_name))
-    server = uvicorn.Server(uvicorn.Config(
+    servers = [uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning",
-        timeout_graceful_shutdown=config.drain_timeout_s))
+        timeout_graceful_shutdown=config.drain_timeout_s))]
     logger.info("router serving %s on http://%s:%d/v1", backend.model_name, config.host, config.port)
+    if config.admin_port is not None and config.admin_token:
+        admin = create_admin_app({"prefill": backend.prefills, "decode": backend.decodes,
+                                  "encoder": backend.encoders}, config.admin_token)
+        servers.append(uvicorn.Server(uvicorn.Config(admin, host=config.admin_host, port=config.admin_port,
+                                                     log_level="warning")))
+        logger.info("admin API on http://%s:%d/admin/ (bearer token)", config.admin_host, config.admin_port)
+    elif config.admin_port is not None:
+        logger.warning("no admin token (--admin-token / EPD_ROUTER_ADMIN_TOKEN): the admin API is off")
     try:
-        await server.serve()
+        await _serve_all(servers)
     finally:
         await backend.close()
     return 0
+
+
+async def _serve_all(servers: list[uvicorn.Server]) -> None:
+    """Run the servers together; when one stops (a signal, a bind failure) the others stop too."""
+    tasks = [asyncio.ensure_future(server.serve()) for server in servers]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for server in servers:
+            server.should_exit = True
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import check
+from services.router.policies import POLICIES
 
 
 @dataclass(frozen=True)
@@ -27,9 +28,43 @@ class RouterConfig:
     """How long to wait at start for a prefill instance to describe the model."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long open requests get to finish."""
+    prefill_policy: str = "prefill_buckets"
+    """Prefill balancer: prefill_buckets (SPEC's length buckets), or a baseline: round_robin,
+    least_requests, power_of_two, cache_aware."""
+    decode_policy: str = "decode_balance"
+    """Decode balancer: decode_balance (requests and KV length at once), or a baseline."""
+    encoder_policy: str = "encoder_balance"
+    """Encoder balancer: encoder_balance (random machine, fewest patches in flight), or a baseline."""
+    bucket_bounds: tuple[int, ...] = ()
+    """Prefill buckets' prompt-length bounds (3 ascending, in tokens); empty: SPEC's
+    16K / 64K / 256K scaled to the model's context."""
+    bucket_caps: tuple[int, ...] = ()
+    """Most prefill instances per bucket (4 numbers, 0: no cap); empty: no caps."""
+    round_s: float = 10.0
+    """Seconds between two reallocations of prefill instances to buckets."""
+    health_timeout_s: float = 3.0
+    """An instance with no load report for this long gets no new requests."""
+    admin_host: str = "127.0.0.1"
+    """Address the admin API binds to (keep it private)."""
+    admin_port: int | None = 8001
+    """Admin API port; 0 picks a free one, none disables it."""
+    admin_token: str = ""
+    """Bearer token of the admin API; empty: the admin API is off."""
 
     def __post_init__(self) -> None:
         check(0 <= self.port <= 65535, "port", "must be in 0..65535 (0: a free port)")
         check(bool(self.prefill), "prefill", "needs at least one prefill address")
         check(bool(self.decode), "decode", "needs at least one decode address")
         check(self.connect_timeout_s > 0, "connect_timeout_s", "must be > 0")
+        for field in ("prefill_policy", "decode_policy", "encoder_policy"):
+            check(getattr(self, field) in POLICIES, field,
+                  f"unknown policy {getattr(self, field)!r}; known: {', '.join(sorted(POLICIES))}")
+        check(not self.bucket_bounds or (len(self.bucket_bounds) == 3 and 0 < self.bucket_bounds[0]
+                                         < self.bucket_bounds[1] < self.bucket_bounds[2]),
+              "bucket_bounds", "needs 3 ascending positive token counts")
+        check(not self.bucket_caps or (len(self.bucket_caps) == 4 and min(self.bucket_caps) >= 0),
+              "bucket_caps", "needs 4 numbers >= 0 (0: no cap)")
+        check(self.round_s > 0, "round_s", "must be > 0")
+        check(self.health_timeout_s > 0, "health_timeout_s", "must be > 0")
+        check(self.admin_port is None or 0 <= self.admin_port <= 65535, "admin_port",
+              "must be in 0..65535 (0: a free port) or none")

@@ -50,6 +50,12 @@ E2E_LATENCY = metrics.histogram("epd_router_e2e_request_latency_seconds",
                                 "From request arrival to the end of its response", ["endpoint"])
 GENERATED_TOKENS = metrics.counter("epd_router_generation_tokens", "Tokens generated", ["endpoint"])
 PROMPT_TOKENS = metrics.counter("epd_router_prompt_tokens", "Prompt tokens of admitted requests", ["endpoint"])
+CACHED_PROMPT_TOKENS = metrics.counter(
+    "epd_router_cached_prompt_tokens", "Prompt tokens served from the KV cache, counted when a request "
+    "finishes (prefix hit rate: rate of this over rate of epd_router_prompt_tokens)", ["endpoint"])
+INTER_TOKEN_LATENCY = metrics.histogram(
+    "epd_router_inter_token_latency_seconds", "Time between output tokens after the first (a chunk of k "
+    "tokens after a gap g counts as k tokens g/k apart)", ["endpoint"], buckets=metrics.INTER_TOKEN_BUCKETS_S)
 
 
 class ClientGone(Exception):
@@ -63,13 +69,29 @@ class RequestTimer:
         self.endpoint = endpoint
         self.start = time.perf_counter()
         self.has_first_token = False
+        self.last_token_at = self.start
         self.is_done = False
 
     def tokens(self, num_tokens: int) -> None:
-        if num_tokens and not self.has_first_token:
-            self.has_first_token = True
-            TIME_TO_FIRST_TOKEN.labels(self.endpoint).observe(time.perf_counter() - self.start)
+        """``num_tokens`` arrived together. Spread evenly over the gap since the last ones, so
+        the inter-token histogram gets one sample per token and its count stays comparable with
+        the generated tokens. Tokens riding with the first have no gap of their own: no sample."""
         GENERATED_TOKENS.labels(self.endpoint).inc(num_tokens)
+        if not num_tokens:
+            return
+        now = time.perf_counter()
+        if not self.has_first_token:
+            self.has_first_token = True
+            TIME_TO_FIRST_TOKEN.labels(self.endpoint).observe(now - self.start)
+        else:
+            inter_token, gap_s = INTER_TOKEN_LATENCY.labels(self.endpoint), now - self.last_token_at
+            for _ in range(num_tokens):
+                inter_token.observe(gap_s / num_tokens)
+        self.last_token_at = now
+
+    def cached_tokens(self, num_cached_tokens: int) -> None:
+        """The finished request's usage: how many of its prompt tokens the KV cache served."""
+        CACHED_PROMPT_TOKENS.labels(self.endpoint).inc(num_cached_tokens)
 
     def done(self, status: int) -> None:
         if not self.is_done:
@@ -214,6 +236,8 @@ class _Generation:
         num_before = self.out.num_output_tokens
         text = self.out.add(chunk)
         self.timer.tokens(self.out.num_output_tokens - num_before)
+        if self.out.is_finished:
+            self.timer.cached_tokens(self.out.num_cached_tokens)
         return text
 
     async def read_all(self) -> None:

@@ -20,6 +20,7 @@ import grpc
 import grpc.aio
 from tokenizers import Tokenizer as BackendTokenizer
 
+from kvstore.hashing import block_hashes, root_hash
 from services.common.errors import InvalidRequestError
 from services.common.grpc_errors import error_from_rpc
 from services.common.retry import is_retryable, retry
@@ -31,27 +32,43 @@ from services.pb import common_pb2, decode_pb2, decode_pb2_grpc, encoder_pb2, en
 from services.pb import prefill_pb2, prefill_pb2_grpc
 from services.router.backend import GenerateChunk, GenerateRequest
 from services.router.instances import InstancePool
+from services.router.policies import Policy, RequestView, make_policy
 
 logger = logging.getLogger(__name__)
 
 
 class ClusterBackend:
-    def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...], encoder: tuple[str, ...] = ()) -> None:
-        self.prefills = InstancePool("prefill", prefill, prefill_pb2_grpc.PrefillStub)
-        self.decodes = InstancePool("decode", decode, decode_pb2_grpc.DecodeStub)
-        self.encoders = InstancePool("encoder", encoder, encoder_pb2_grpc.EncoderStub)
+    def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...], encoder: tuple[str, ...] = (),
+                 policies: dict[str, Policy] | None = None, health_timeout_s: float = 3.0) -> None:
+        """``policies``: role -> policy (default: round robin for every role)."""
+        policies = policies or {}
+
+        def pool(role: str, addresses: tuple[str, ...], stub_class) -> InstancePool:
+            return InstancePool(role, addresses, stub_class, policies.get(role) or make_policy("round_robin"),
+                                health_timeout_s=health_timeout_s)
+
+        self.prefills = pool("prefill", prefill, prefill_pb2_grpc.PrefillStub)
+        self.decodes = pool("decode", decode, decode_pb2_grpc.DecodeStub)
+        self.encoders = pool("encoder", encoder, encoder_pb2_grpc.EncoderStub)
         self.info: ModelInfo | None = None
         self.tokenizer: Tokenizer | None = None
 
+    @property
+    def pools(self) -> tuple[InstancePool, ...]:
+        return (self.prefills, self.decodes, self.encoders)
+
     async def connect(self, timeout_s: float = 60.0) -> None:
         """Learn the model (name, limits, tokenizer) from a prefill instance (waiting for one to
-        come up: it may still be loading the model)."""
-        msg = await self.prefills.pick().stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout_s,
-                                                           wait_for_ready=True)
+        come up: it may still be loading the model), then follow every instance's load."""
+        msg = await self.prefills.instances[0].stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout_s,
+                                                                 wait_for_ready=True)
         self.info = info = model_info_from_proto(msg)
         if info.tokenizer_json:
             self.tokenizer = Tokenizer(BackendTokenizer.from_str(info.tokenizer_json),
                                        json.loads(info.tokenizer_config_json), info.eos_token_ids)
+        for pool in self.pools:
+            pool.block_size = info.block_size
+            pool.start_watching()
 
     @property
     def model_name(self) -> str:
@@ -75,14 +92,17 @@ class ClusterBackend:
         return True
 
     async def close(self) -> None:
-        for pool in (self.prefills, self.decodes, self.encoders):
+        for pool in self.pools:
             await pool.close()
 
     # ----- a request -----------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         spec = await self._spec(request)
         num_prompt = len(spec.prompt_token_ids)
-        prefill, first = await self._prefill(spec)
+        view = RequestView(request.request_id, num_prompt, spec.params.max_tokens,
+                           self._block_hashes(spec) if getattr(self.prefills.policy, "needs_block_hashes", False)
+                           else ())
+        prefill, first = await self._prefill(spec, view)
         kv = first.kv if first.HasField("kv") else None
         handed_over = False
         try:
@@ -94,7 +114,7 @@ class ClusterBackend:
             request = decode_pb2.DecodeRequest(
                 spec=spec_to_proto(spec), output_token_ids=[first.first_token_id],
                 kv=kv, num_cached_tokens=first.num_cached_tokens, prefill_address=prefill.address)
-            async with contextlib.aclosing(self._decode(request)) as chunks:
+            async with contextlib.aclosing(self._decode(request, view)) as chunks:
                 async for chunk in chunks:
                     # A decode instance has the request: it read the KV (or recomputes) and
                     # releases the lease itself.
@@ -106,11 +126,11 @@ class ClusterBackend:
             if kv is not None and not handed_over:
                 await self._release(prefill, kv.lease_id)
 
-    async def _decode(self, request: decode_pb2.DecodeRequest) -> AsyncIterator[decode_pb2.TokenChunk]:
+    async def _decode(self, request: decode_pb2.DecodeRequest, view: RequestView) -> AsyncIterator[decode_pb2.TokenChunk]:
         """The token stream from a decode instance; until its first chunk, an unavailable
         instance (dead, draining) is skipped for the next one."""
         for attempt in range(len(self.decodes)):
-            instance = self.decodes.pick()
+            instance = self.decodes.pick(view)
             call = instance.stub.Generate(request)
             has_chunks = False
             try:
@@ -120,22 +140,27 @@ class ClusterBackend:
                 return
             except grpc.aio.AioRpcError as exc:
                 error = error_from_rpc(exc)
+                if error.retryable:
+                    self.decodes.mark_unavailable(instance)
                 if has_chunks or not error.retryable or attempt == len(self.decodes) - 1:
                     raise error from exc
                 logger.warning("decode instance %s unavailable (%s): trying another", instance.address, error)
             finally:
                 call.cancel()
 
-    async def _prefill(self, spec: RequestSpec):
+    async def _prefill(self, spec: RequestSpec, view: RequestView):
         """(instance, PrefillResponse); another instance is tried when one is unavailable."""
         message = prefill_pb2.PrefillRequest(spec=spec_to_proto(spec))
 
         async def attempt():
-            instance = self.prefills.pick()
+            instance = self.prefills.pick(view)
             try:
                 return instance, await instance.stub.Prefill(message)
             except grpc.aio.AioRpcError as exc:
-                raise error_from_rpc(exc) from exc
+                error = error_from_rpc(exc)
+                if error.retryable:
+                    self.prefills.mark_unavailable(instance)
+                raise error from exc
 
         return await retry(attempt, retry_on=is_retryable, attempts=max(2, len(self.prefills)))
 
@@ -162,10 +187,18 @@ class ClusterBackend:
             shift += num_rows - 1
         return RequestSpec(request.request_id, tuple(token_ids), request.params, tuple(images), **keys)
 
+    def _block_hashes(self, spec: RequestSpec) -> tuple[bytes, ...]:
+        """The prompt's block hashes for cache-aware routing (the router's own root: they only
+        need to agree with each other)."""
+        root = root_hash(model=self.info.model_name, block_size=self.info.block_size, dtype="router",
+                         salt=spec.cache_salt)
+        return tuple(block_hashes(list(spec.prompt_token_ids), self.info.block_size, root))
+
     async def _encode_images(self, request: GenerateRequest) -> list[tuple[bytes, object]]:
         if not self.encoders:
             raise InvalidRequestError("this deployment has no encoder: images are not supported")
-        instance = self.encoders.pick()
+        instance = self.encoders.pick(RequestView(request.request_id, len(request.prompt_token_ids),
+                                                  num_patches=len(request.images)))
         try:
             reply = await instance.stub.Encode(encoder_pb2.EncodeRequest(images=list(request.images)))
         except grpc.aio.AioRpcError as exc:

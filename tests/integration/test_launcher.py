@@ -25,7 +25,7 @@ def start_up(model_dir: Path, port: int) -> tuple[subprocess.Popen, list[int]]:
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), "--encoders", "1",
          "--prefills", "1", "--decodes", "2", "--port", str(port), "--kv-cache-gib", "0.02", "--device", "cpu",
-         "--kvstore-dir", "none", "--kvstore-capacity-mib", "32"],
+         "--kvstore-dir", "none", "--kvstore-capacity-mib", "32", "--admin-port", str(free_port("127.0.0.1"))],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     pids = []
     for line in process.stdout:

@@ -1,0 +1,161 @@
+"""The router's admin API: see and steer the balancers at run time (a separate port, bearer token).
+
+    GET  /admin/instances                      every instance: id, role, health, drain, load, bucket
+    POST /admin/instances/{id}/drain           no new requests for it (in-flight ones finish)
+    POST /admin/instances/{id}/undrain
+    GET  /admin/policies                       each role's policy, picks per policy, last pick
+    PUT  /admin/policies/{role}                {"policy": name}: switch at once
+    GET  /admin/prefill/buckets                bounds, caps, round period, allocation, last demand
+    PUT  /admin/prefill/buckets                {"bounds"?, "caps"?, "round_s"?}: from the next pick
+
+Every path needs ``Authorization: Bearer <admin token>`` (401 otherwise). Errors use the same
+``{"error": {"message", "type", ...}}`` body as the public API. ``/admin/openapi.json`` (and
+``/admin/docs``) describe it all. The ``epd admin`` command calls these paths.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict
+
+from services.router.instances import InstancePool
+from services.router.policies import POLICIES, make_policy
+
+ROLES = ("prefill", "decode", "encoder")
+
+
+class PolicyChange(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    policy: str
+
+
+class BucketChange(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    bounds: list[int] | None = None
+    """Three ascending prompt-length bounds (tokens) giving four buckets."""
+    caps: list[int] | None = None
+    """Most prefill instances per bucket (four numbers; 0: no cap)."""
+    round_s: float | None = None
+    """Seconds between reallocations."""
+
+
+def create_admin_app(pools: dict[str, InstancePool], token: str) -> FastAPI:
+    """``pools``: role -> the router's instance pool for it."""
+    if not token:
+        raise ValueError("the admin API needs a token")
+    app = FastAPI(title="epd router admin API", openapi_url="/admin/openapi.json", docs_url="/admin/docs",
+                  redoc_url=None)
+    bearer = HTTPBearer(auto_error=False)
+
+    def authorized(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        if credentials is None or not secrets.compare_digest(credentials.credentials.encode(), token.encode()):
+            raise HTTPException(401, "a valid admin bearer token is required", headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(HTTPException)
+    async def error_body(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error"}.get(
+            exc.status_code, "invalid_request_error")
+        return JSONResponse({"error": {"message": exc.detail, "type": kind, "param": None, "code": None}},
+                            status_code=exc.status_code, headers=exc.headers)
+
+    def pool_of(role: str) -> InstancePool:
+        if role not in pools:
+            raise HTTPException(404, f"unknown role {role!r} ({', '.join(pools)})")
+        return pools[role]
+
+    def find(instance_id: str):
+        for pool in pools.values():
+            try:
+                return pool.find(instance_id)
+            except KeyError:
+                continue
+        raise HTTPException(404, f"no instance {instance_id!r}")
+
+    def buckets_policy():
+        policy = pools["prefill"].policy
+        if not hasattr(policy, "configure"):
+            raise HTTPException(409, f"the prefill policy is {policy.name}, which has no buckets "
+                                     "(PUT /admin/policies/prefill {\"policy\": \"prefill_buckets\"})")
+        return policy
+
+    @app.get("/admin/instances", dependencies=[Depends(authorized)])
+    def instances() -> list[dict[str, Any]]:
+        out = []
+        for role, pool in pools.items():
+            bucket_of = _bucket_of_instances(pool.policy) if role == "prefill" else {}
+            for instance, view in zip(pool.instances, pool.views()):
+                load = instance.load
+                out.append({"id": view.instance_id, "address": instance.address, "role": role,
+                            "healthy": view.is_healthy, "draining": view.is_draining, "drained": instance.is_drained,
+                            "bucket": bucket_of.get(view.instance_id),
+                            "load": None if load is None else {
+                                "num_running": load.num_running, "num_waiting": load.num_waiting,
+                                "num_queued_prefill_tokens": load.num_queued_prefill_tokens,
+                                "num_kv_tokens_in_use": load.num_kv_tokens_in_use,
+                                "num_free_blocks": load.num_free_blocks, "num_total_blocks": load.num_total_blocks,
+                                "num_patches_in_flight": load.num_patches_in_flight,
+                                "num_sent_since_report": instance.num_sent}})
+        return out
+
+    @app.post("/admin/instances/{instance_id}/drain", dependencies=[Depends(authorized)])
+    def drain(instance_id: str) -> dict[str, Any]:
+        instance = find(instance_id)
+        instance.is_drained = True
+        return {"id": instance.instance_id, "drained": True}
+
+    @app.post("/admin/instances/{instance_id}/undrain", dependencies=[Depends(authorized)])
+    def undrain(instance_id: str) -> dict[str, Any]:
+        instance = find(instance_id)
+        instance.is_drained = False
+        return {"id": instance.instance_id, "drained": False}
+
+    @app.get("/admin/policies", dependencies=[Depends(authorized)])
+    def policies() -> dict[str, Any]:
+        return {"available": sorted(POLICIES), "roles": {role: {
+            "policy": pool.policy.name, "picks": dict(pool.picks),
+            "last_pick": None if pool.last_pick is None else {
+                "instance_id": pool.last_pick.instance_id, "score": pool.last_pick.score,
+                "breakdown": dict(pool.last_pick.breakdown)}} for role, pool in pools.items()}}
+
+    @app.put("/admin/policies/{role}", dependencies=[Depends(authorized)])
+    def switch_policy(role: str, change: PolicyChange) -> dict[str, Any]:
+        pool = pool_of(role)
+        try:
+            pool.policy = make_policy(change.policy)
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
+        return {"role": role, "policy": pool.policy.name}
+
+    @app.get("/admin/prefill/buckets", dependencies=[Depends(authorized)])
+    def buckets() -> dict[str, Any]:
+        return _buckets_body(buckets_policy())
+
+    @app.put("/admin/prefill/buckets", dependencies=[Depends(authorized)])
+    def change_buckets(change: BucketChange) -> dict[str, Any]:
+        policy = buckets_policy()
+        try:
+            policy.configure(bounds=None if change.bounds is None else tuple(change.bounds),
+                             caps=None if change.caps is None else tuple(change.caps), round_s=change.round_s)
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
+        return _buckets_body(policy)
+
+    return app
+
+
+def _buckets_body(policy) -> dict[str, Any]:
+    return {"bounds": list(policy.bounds), "caps": list(policy.caps), "round_s": policy.round_s,
+            "allocation": {str(b): list(ids) for b, ids in dict(policy.allocation).items()},
+            "last_demand_s": list(policy.last_demand_s)}
+
+
+def _bucket_of_instances(policy) -> dict[str, int]:
+    allocation = getattr(policy, "allocation", None)
+    if allocation is None:
+        return {}
+    return {instance_id: int(bucket) for bucket, ids in dict(allocation).items() for instance_id in ids}

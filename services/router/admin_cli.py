@@ -1,0 +1,81 @@
+"""``epd admin``: the router's admin API from the command line (prints the JSON it gets back).
+
+    epd admin instances
+    epd admin drain ID | undrain ID
+    epd admin policies
+    epd admin policy ROLE NAME                  (ROLE: prefill, decode, encoder)
+    epd admin buckets [--bounds A,B,C] [--caps A,B,C,D] [--round-s S]
+
+``--url`` (default http://127.0.0.1:8001, or EPD_ADMIN_URL) and ``--token`` (default
+EPD_ROUTER_ADMIN_TOKEN, which ``epd up`` prints) reach the router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import httpx
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="epd admin", description="the router's admin API")
+    p.add_argument("--url", default=os.environ.get("EPD_ADMIN_URL", "http://127.0.0.1:8001"))
+    p.add_argument("--token", default=os.environ.get("EPD_ROUTER_ADMIN_TOKEN", ""))
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("instances", help="every instance with its health, drain state, load and bucket")
+    for name in ("drain", "undrain"):
+        sub.add_parser(name, help=f"{name} one instance").add_argument("instance_id")
+    sub.add_parser("policies", help="each role's policy and per-policy stats")
+    change = sub.add_parser("policy", help="switch a role's policy")
+    change.add_argument("role", choices=("prefill", "decode", "encoder"))
+    change.add_argument("name")
+    buckets = sub.add_parser("buckets", help="read (or change) the prefill buckets")
+    buckets.add_argument("--bounds", type=_ints, help="three ascending token counts, e.g. 2048,8192,32768")
+    buckets.add_argument("--caps", type=_ints, help="four per-bucket instance caps (0: none)")
+    buckets.add_argument("--round-s", type=float)
+    return p
+
+
+def request(args: argparse.Namespace) -> tuple[str, str, dict | None]:
+    """(method, path, json body) for the parsed command."""
+    if args.command == "instances":
+        return "GET", "/admin/instances", None
+    if args.command in ("drain", "undrain"):
+        return "POST", f"/admin/instances/{args.instance_id}/{args.command}", None
+    if args.command == "policies":
+        return "GET", "/admin/policies", None
+    if args.command == "policy":
+        return "PUT", f"/admin/policies/{args.role}", {"policy": args.name}
+    body = {k: v for k, v in (("bounds", args.bounds), ("caps", args.caps), ("round_s", args.round_s))
+            if v is not None}
+    return ("PUT" if body else "GET"), "/admin/prefill/buckets", body or None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if not args.token:
+        print("epd admin: no token: pass --token or set EPD_ROUTER_ADMIN_TOKEN (epd up prints it)", file=sys.stderr)
+        return 2
+    method, path, body = request(args)
+    try:
+        reply = httpx.request(method, args.url.rstrip("/") + path, json=body, timeout=10,
+                              headers={"Authorization": f"Bearer {args.token}"})
+    except httpx.HTTPError as exc:
+        print(f"epd admin: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
+    if reply.status_code >= 400:
+        try:
+            message = reply.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = reply.text
+        print(f"epd admin: {reply.status_code}: {message}", file=sys.stderr)
+        return 1
+    print(json.dumps(reply.json(), indent=2))
+    return 0

@@ -1,0 +1,242 @@
+"""The SPEC Prefill LB: prompt-length buckets whose share of the prefill fleet follows demand.
+
+Prompts fall in buckets by length (reference: <16K, 16-64K, 64-256K, >=256K tokens). Each round
+(``round_s``) the instances are re-divided among the buckets in proportion to the compute each
+bucket demanded in the previous round (seconds from the cost model, so one long prompt weighs
+what it costs, not 1), with a per-bucket cap. Short prompts then never queue behind a 256K one,
+and no length class can starve the others.
+
+    round k-1: demand_s per bucket ──allocate──> counts ──assign (stable)──> instance -> bucket
+    round k:   pick = least queued compute among the request's bucket's instances
+
+Until a round with demand has finished there is nothing to divide by: all available instances
+form one pool and every pick is the least loaded of all (``borrowed`` = 1). A round without any
+demand keeps the last division that had some. A bucket left without instances borrows the least
+loaded available instance of any bucket. Demand is recorded in ``on_pick`` (what was sent).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+
+from services.common.cost_model import PrefillCost
+from services.router.policies.base import InstanceView, Pick, Policy, RequestView, available
+from services.router.policies.least_requests import num_requests
+
+DEFAULT_BOUNDS = (16_384, 65_536, 262_144)
+REFERENCE_CONTEXT = 1_048_576
+"""The reference model's context: DEFAULT_BOUNDS are 1/64, 1/16 and 1/4 of it."""
+
+
+def bucket_of(num_tokens: int, bounds: Sequence[int]) -> int:
+    """Bucket b holds ``bounds[b-1] <= num_tokens < bounds[b]``."""
+    return bisect.bisect_right(bounds, num_tokens)
+
+
+def scale_bounds(max_model_len: int, bounds: Sequence[int] = DEFAULT_BOUNDS) -> tuple[int, ...]:
+    """``bounds`` at the same fractions of ``max_model_len`` as of the reference 1M context (2048
+    -> (32, 128, 512)), rounded, then raised where needed to stay >= 1 and strictly ascending."""
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+    scaled: list[int] = []
+    for bound in bounds:
+        value = max(1, round(max_model_len * bound / REFERENCE_CONTEXT))
+        scaled.append(max(value, scaled[-1] + 1) if scaled else value)
+    return tuple(scaled)
+
+
+def allocate(demand_s: Sequence[float], num_instances: int, caps: Sequence[int]) -> list[int]:
+    """Instances per bucket, summing to ``num_instances``; exact arithmetic (Fraction).
+
+    1. Proportional to demand, largest remainder (ties: lower bucket).
+    2. Clamped to ``caps`` (0: no cap); the excess is spare.
+    3. Each bucket with demand and no instance gets one (most demand first): from the spare,
+       else from the bucket with >= 2 instances and the least demand per instance.
+    4. Spare goes one by one to the bucket under its cap with the most demand per instance
+       (ties: fewer instances, lower bucket); with no demand at all that is an even spread.
+       When every bucket is at its cap the spare goes by the same rule ignoring caps: idle
+       instances help nobody, so caps bind only while they can hold the fleet.
+    """
+    if len(caps) != len(demand_s) or num_instances < 0:
+        raise ValueError(f"allocate needs one cap per bucket and num_instances >= 0, got "
+                         f"{len(demand_s)} buckets, {len(caps)} caps, {num_instances} instances")
+    if any(not math.isfinite(d) or d < 0 for d in demand_s) or any(c < 0 for c in caps):
+        raise ValueError(f"demand and caps must be finite and >= 0, got {list(demand_s)}, {list(caps)}")
+    num_buckets = len(demand_s)
+    demand = [Fraction(d) for d in demand_s]
+    limit = [c or num_instances for c in caps]
+    counts = [0] * num_buckets
+    if sum(demand) > 0:
+        quotas = [num_instances * d / sum(demand) for d in demand]
+        counts = [math.floor(q) for q in quotas]
+        by_remainder = sorted(range(num_buckets), key=lambda b: (counts[b] - quotas[b], b))
+        for b in by_remainder[:num_instances - sum(counts)]:
+            counts[b] += 1
+    counts = [min(c, cap) for c, cap in zip(counts, limit)]
+    spare = num_instances - sum(counts)
+    for b in sorted((b for b in range(num_buckets) if demand[b] > 0 and counts[b] == 0),
+                    key=lambda b: (-demand[b], b)):
+        if spare > 0:
+            spare -= 1
+        else:
+            donors = [j for j in range(num_buckets) if counts[j] >= 2]
+            if not donors:
+                break
+            counts[min(donors, key=lambda j: (demand[j] / counts[j], j))] -= 1
+        counts[b] += 1
+
+    def neediness(b: int) -> tuple[bool, Fraction, int, int]:
+        starved = counts[b] == 0 and demand[b] > 0
+        return starved, demand[b] / counts[b] if counts[b] else demand[b], -counts[b], -b
+
+    for _ in range(spare):
+        open_buckets = [b for b in range(num_buckets) if counts[b] < limit[b]] or range(num_buckets)
+        counts[max(open_buckets, key=neediness)] += 1
+    return counts
+
+
+def assign(prev: dict[str, int], counts: Sequence[int], instance_ids: Sequence[str]) -> dict[str, int]:
+    """Instance -> bucket with ``counts[b]`` instances in bucket b, keeping as many instances as
+    possible in their ``prev`` bucket (a move costs the instance's warm prefix cache). Ids are
+    taken in sorted order: where a bucket shrinks, the smallest ids stay; newcomers fill the
+    lowest buckets with room."""
+    ordered = sorted(instance_ids)
+    if len(set(ordered)) != len(ordered) or any(c < 0 for c in counts) or sum(counts) != len(ordered):
+        raise ValueError(f"assign needs distinct ids and counts >= 0 summing to their number, "
+                         f"got {list(counts)} for {len(ordered)} ids")
+    free = list(counts)
+    result: dict[str, int] = {}
+    for instance_id in ordered:
+        b = prev.get(instance_id, -1)
+        if 0 <= b < len(free) and free[b] > 0:
+            result[instance_id] = b
+            free[b] -= 1
+    for instance_id in (i for i in ordered if i not in result):
+        b = next(b for b, n in enumerate(free) if n > 0)
+        result[instance_id] = b
+        free[b] -= 1
+    return {i: result[i] for i in ordered}
+
+
+def validated(bounds: Sequence[int], caps: Sequence[int],
+              round_s: float) -> tuple[tuple[int, ...], tuple[int, ...], float]:
+    """The settings as stored, or a ValueError naming the setting that is wrong."""
+    bounds, caps = tuple(bounds), tuple(caps)
+    if not bounds or any(not isinstance(b, int) or b < 1 for b in bounds) or \
+            any(lo >= hi for lo, hi in zip(bounds, bounds[1:])):
+        raise ValueError(f"prefill_buckets bounds must be strictly ascending token counts >= 1, got {bounds}")
+    if len(caps) != len(bounds) + 1 or any(not isinstance(c, int) or c < 0 for c in caps):
+        raise ValueError(f"prefill_buckets caps must be {len(bounds) + 1} integers >= 0 (one per bucket, "
+                         f"0: no cap), got {caps}")
+    if not (isinstance(round_s, (int, float)) and math.isfinite(round_s) and round_s > 0):
+        raise ValueError(f"prefill_buckets round_s must be a number of seconds > 0, got {round_s!r}")
+    return bounds, caps, float(round_s)
+
+
+class PrefillBuckets(Policy):
+    """Least queued compute (then fewer requests, then id) among the instances of the request's
+    bucket, the buckets re-divided every ``round_s`` seconds of ``clock``. A change in the set
+    of available instances, or :meth:`configure`, re-divides at the next pick with the same
+    demand."""
+
+    name = "prefill_buckets"
+
+    def __init__(self, bounds: Sequence[int] = DEFAULT_BOUNDS, caps: Sequence[int] = (0, 0, 0, 0),
+                 round_s: float = 10.0, cost: PrefillCost = PrefillCost(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._bounds, self._caps, self._round_s = validated(bounds, caps, round_s)
+        self._cost = cost
+        self._clock = clock
+        self._reset_history()
+
+    def _reset_history(self) -> None:
+        num_buckets = len(self._bounds) + 1
+        self._round_start: float | None = None
+        self._demand = [0.0] * num_buckets
+        self._last_demand = (0.0,) * num_buckets
+        self._basis: tuple[float, ...] | None = None
+        """The last finished round's demand that was not all zero: what the division follows."""
+        self._assignment: dict[str, int] = {}
+        self._assigned_ids: frozenset[str] | None = None
+        """The available ids the assignment was made for; None: re-divide at the next pick."""
+
+    # ----- admin API ---------------------------------------------------------------------------
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        return self._bounds
+
+    @property
+    def caps(self) -> tuple[int, ...]:
+        return self._caps
+
+    @property
+    def round_s(self) -> float:
+        return self._round_s
+
+    @property
+    def allocation(self) -> dict[int, tuple[str, ...]]:
+        """Bucket -> its instance ids (all empty while the fleet is one pool)."""
+        return {b: tuple(i for i, ib in self._assignment.items() if ib == b) for b in range(len(self._caps))}
+
+    @property
+    def last_demand_s(self) -> tuple[float, ...]:
+        return self._last_demand
+
+    def configure(self, bounds: Sequence[int] | None = None, caps: Sequence[int] | None = None,
+                  round_s: float | None = None) -> None:
+        """Change settings (all validated before any applies); a new number of buckets drops
+        the demand history, since it was counted in the old buckets."""
+        new_bounds, new_caps, new_round_s = validated(
+            self._bounds if bounds is None else bounds, self._caps if caps is None else caps,
+            self._round_s if round_s is None else round_s)
+        is_reshaped = len(new_bounds) != len(self._bounds)
+        self._bounds, self._caps, self._round_s = new_bounds, new_caps, new_round_s
+        if is_reshaped:
+            self._reset_history()
+        self._assigned_ids = None
+
+    # ----- routing -----------------------------------------------------------------------------
+    def pick(self, request: RequestView, instances: Sequence[InstanceView]) -> Pick | None:
+        candidates = available(instances)
+        if not candidates:
+            return None
+        self._roll(self._clock())
+        ids = frozenset(i.instance_id for i in candidates)
+        if ids != self._assigned_ids:
+            self._divide(ids)
+        bucket = bucket_of(request.num_prompt_tokens, self._bounds)
+        members = [i for i in candidates if self._assignment.get(i.instance_id) == bucket]
+        chosen = min(members or candidates, key=lambda i: (i.queued_compute_s, num_requests(i), i.instance_id))
+        return Pick(chosen.instance_id, chosen.queued_compute_s, {
+            "bucket": float(bucket), "queued_compute_s": chosen.queued_compute_s,
+            "requests": float(num_requests(chosen)), "borrowed": float(not members)})
+
+    def on_pick(self, request: RequestView, pick: Pick) -> None:
+        self._roll(self._clock())
+        bucket = bucket_of(request.num_prompt_tokens, self._bounds)
+        self._demand[bucket] += self._cost.prompt_seconds(request.num_prompt_tokens, request.num_cached_tokens)
+
+    def _roll(self, now: float) -> None:
+        """Close the round once ``round_s`` has passed (the first round starts at the first call)."""
+        if self._round_start is None:
+            self._round_start = now
+        if now - self._round_start < self._round_s:
+            return
+        self._last_demand = tuple(self._demand)
+        self._demand = [0.0] * len(self._demand)
+        if sum(self._last_demand) > 0:
+            self._basis = self._last_demand
+        self._round_start = now
+        self._assigned_ids = None
+
+    def _divide(self, ids: frozenset[str]) -> None:
+        if self._basis is None:
+            self._assignment = {}
+        else:
+            counts = allocate(self._basis, len(ids), self._caps)
+            self._assignment = assign(self._assignment, counts, sorted(ids))
+        self._assigned_ids = ids

@@ -1,0 +1,114 @@
+"""The router's balancers and admin API on a live cluster (2 prefill, 2 decode): drained and
+dead instances get no new work, nothing fails because of them, and the admin API steers it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.cluster import running_cluster
+from tests.factories import random_prompts
+
+TOKEN = "test-admin-token"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_chat_model_dir):
+    with running_cluster(str(tiny_chat_model_dir), encoders=0, prefills=2, decodes=2, kv_cache_gib=0.05,
+                         max_num_batched_tokens=64, device="cpu", kvstores=0, admin_token=TOKEN) as running:
+        yield running
+
+
+def admin(cluster, method: str, path: str, token: str = TOKEN, **kwargs) -> httpx.Response:
+    url = f"http://127.0.0.1:{cluster.cluster.config.admin_port}{path}"
+    return httpx.request(method, url, headers={"Authorization": f"Bearer {token}"}, timeout=10, **kwargs)
+
+
+def complete(cluster, prompt: list[int], max_tokens: int = 8) -> dict:
+    reply = httpx.post(cluster.url + "/v1/completions", timeout=120, json={
+        "model": "tiny-chat0", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_the_admin_api_needs_its_token(cluster):
+    assert admin(cluster, "GET", "/admin/instances", token="wrong").status_code == 401
+    no_header = httpx.get(f"http://127.0.0.1:{cluster.cluster.config.admin_port}/admin/instances", timeout=10)
+    assert no_header.status_code == 401 and no_header.json()["error"]["type"] == "authentication_error"
+    listed = admin(cluster, "GET", "/admin/instances").json()
+    assert sorted((i["role"], i["id"]) for i in listed) == [
+        ("decode", "decode-0"), ("decode", "decode-1"), ("prefill", "prefill-0"), ("prefill", "prefill-1")]
+    assert all(i["healthy"] and not i["draining"] and i["load"] is not None for i in listed)
+    spec = httpx.get(f"http://127.0.0.1:{cluster.cluster.config.admin_port}/admin/openapi.json", timeout=10).json()
+    assert "/admin/instances/{instance_id}/drain" in spec["paths"]
+
+
+def test_policies_and_buckets_change_at_run_time(cluster):
+    policies = admin(cluster, "GET", "/admin/policies").json()
+    assert policies["roles"]["prefill"]["policy"] == "prefill_buckets"
+    assert policies["roles"]["decode"]["policy"] == "decode_balance"
+    buckets = admin(cluster, "GET", "/admin/prefill/buckets").json()
+    assert len(buckets["bounds"]) == 3 and buckets["round_s"] > 0
+    changed = admin(cluster, "PUT", "/admin/prefill/buckets", json={"bounds": [100, 200, 300], "round_s": 1.5})
+    assert changed.status_code == 200 and changed.json()["bounds"] == [100, 200, 300]
+    bad = admin(cluster, "PUT", "/admin/prefill/buckets", json={"bounds": [300, 200, 100]})
+    assert bad.status_code == 400 and "bounds" in bad.json()["error"]["message"]
+    assert admin(cluster, "PUT", "/admin/policies/decode", json={"policy": "nope"}).status_code == 400
+    assert admin(cluster, "PUT", "/admin/policies/decode", json={"policy": "least_requests"}).json()[
+        "policy"] == "least_requests"
+    complete(cluster, random_prompts(1, [40], vocab=49152, seed=1)[0])
+    assert admin(cluster, "GET", "/admin/policies").json()["roles"]["decode"]["picks"]["least_requests"] >= 1
+    admin(cluster, "PUT", "/admin/policies/decode", json={"policy": "decode_balance"})
+
+
+def test_a_drained_decode_instance_gets_no_new_request_and_finishes_its_own(cluster):
+    before = {d: cluster.metric(d, "epd_kv_transfers_total", result="done") for d in ("decode-0", "decode-1")}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        long_one = pool.submit(complete, cluster, random_prompts(1, [30], vocab=49152, seed=2)[0], 1500)
+        deadline = time.monotonic() + 30
+        while not (busy := [r.instance_id for r in cluster.loads() if r.role == "decode" and r.num_running]):
+            assert time.monotonic() < deadline, "the long request never reached a decode instance"
+            time.sleep(0.05)
+        victim = busy[0]
+        other = "decode-1" if victim == "decode-0" else "decode-0"
+        assert admin(cluster, "POST", f"/admin/instances/{victim}/drain").json()["drained"] is True
+        for i in range(6):
+            complete(cluster, random_prompts(1, [20], vocab=49152, seed=10 + i)[0])
+        assert long_one.result(timeout=300)["choices"][0]["finish_reason"] == "length"  # finished there
+    after = {d: cluster.metric(d, "epd_kv_transfers_total", result="done") for d in ("decode-0", "decode-1")}
+    assert after[victim] - before[victim] == 1 and after[other] - before[other] == 6
+    admin(cluster, "POST", f"/admin/instances/{victim}/undrain")
+    for i in range(4):
+        complete(cluster, random_prompts(1, [20], vocab=49152, seed=20 + i)[0])
+    assert cluster.metric(victim, "epd_kv_transfers_total", result="done") > after[victim]  # back in the rotation
+    assert cluster.leftovers() == []
+
+
+def test_a_killed_prefill_instance_stops_getting_work_and_no_request_fails(cluster):
+    victim = next(c for c in cluster.cluster.children if c.name == "prefill-1")
+    victim.process.kill()
+    victim.process.wait()
+    deadline = time.monotonic() + 5
+    while next(i for i in admin(cluster, "GET", "/admin/instances").json() if i["id"] == "prefill-1")["healthy"]:
+        assert time.monotonic() < deadline, "the router still thinks the killed instance is healthy after 5 s"
+        time.sleep(0.1)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda i: complete(cluster, random_prompts(1, [24], vocab=49152, seed=40 + i)[0]),
+                                range(8)))
+    assert all(r["choices"][0]["finish_reason"] == "length" for r in replies)
+
+
+def test_epd_admin_cli_lists_and_drains(cluster):
+    env = {"EPD_ROUTER_ADMIN_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"}
+    url = f"http://127.0.0.1:{cluster.cluster.config.admin_port}"
+    listed = subprocess.run([sys.executable, "-m", "services.cli", "admin", "--url", url, "instances"],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert listed.returncode == 0 and '"decode-0"' in listed.stdout
+    bad = subprocess.run([sys.executable, "-m", "services.cli", "admin", "--url", url, "drain", "nobody"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 1 and "404" in bad.stderr and "nobody" in bad.stderr
