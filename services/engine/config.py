@@ -21,6 +21,10 @@ class EngineConfig:
     """Most sequences running at once."""
     max_num_batched_tokens: int = 2048
     """Per-step token budget shared by decodes and prefill chunks."""
+    step_time_budget_s: float = 0.0
+    """Per-step time budget of chunked prefill; 0: a fixed token budget (max_num_batched_tokens)
+    as before. Chunks are sized by the prefill cost model the engine fits from its own steps,
+    still capped by max_num_batched_tokens."""
     max_model_len: int | None = None
     """Context limit; defaults to the model's, capped by the pool's capacity."""
     enable_prefix_caching: bool = True
@@ -35,6 +39,7 @@ class EngineConfig:
         check(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks", "must be > 0")
         check(self.max_num_seqs > 0, "max_num_seqs", "must be > 0")
         check(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be > 0")
+        check(self.step_time_budget_s >= 0, "step_time_budget_s", "must be >= 0 (0: no time budget)")
         check(self.max_model_len is None or self.max_model_len > 1, "max_model_len", "must be > 1")
         check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",
               "must be auto, cpu or cuda[:N]")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.hashing import BlockHash, block_hashes, root_hash
+from services.common.cost_model import PrefillCost
 from services.common.errors import InvalidRequestError, PromptTooLongError
 from services.common.sampling_params import SamplingParams
 from services.engine.block_manager import BlockManager
@@ -24,7 +26,7 @@ from services.engine.config import EngineConfig
 from services.engine.models.loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
 from services.engine.outputs import OutputState, RequestOutput
-from services.engine.scheduler import Scheduler
+from services.engine.scheduler import OnlineCost, Scheduler
 from services.engine.sequence import (BlockId, FinishReason, MultiModalInput, RequestId, Sequence,
                                       SequenceStatus)
 
@@ -112,8 +114,9 @@ class LLMEngine:
         self._root_keys = dict(model=cfg.name, block_size=bs, dtype=str(dtype).removeprefix("torch."))
         self.root = root_hash(**self._root_keys)
         self.block_manager = BlockManager(num_blocks, bs, self.root, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.max_model_len, eos)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, eos, config.step_time_budget_s)
+        self._online_cost = OnlineCost()
         self.kv_block_bytes = kv_block_bytes(cfg, bs, dtype)
         kv_buffer = kv_allocator(num_blocks * self.kv_block_bytes) if kv_allocator else None
         self.runner = ModelRunner(cfg, loaded.weights, num_blocks, bs, device, dtype, eos, kv_buffer)
@@ -238,7 +241,12 @@ class LLMEngine:
                     f"{self.block_manager.num_blocks} blocks free; the rest are pinned by exports)")
             return []  # blocks lent to another engine come back when it releases them
         self.last_step_num_tokens = out.num_tokens
+        start = time.perf_counter()
         result = self.runner.execute(out)
+        if not result.sampled and self.runner.device.type == "cuda":
+            # Sampling waits for the device; a step that samples nothing must wait to be timed.
+            torch.cuda.synchronize(self.runner.device)
+        self.scheduler.cost = self._online_cost.observe(out, time.perf_counter() - start)
         seqs = {c.request_id: self._states[c.request_id].seq for c in out.chunks
                 if c.request_id in self._states}
         updated = self.scheduler.postprocess(out, result.sampled, seqs)
@@ -256,6 +264,12 @@ class LLMEngine:
                 del self._states[seq.request_id]
             outputs.append(state.to_output())
         return outputs
+
+    @property
+    def prefill_cost(self) -> PrefillCost | None:
+        """The prefill cost model fitted from this engine's measured steps (None before its
+        first measured prefill step); what sizes chunks under ``step_time_budget_s``."""
+        return self._online_cost.cost
 
     def _has_lent_blocks(self) -> bool:
         """Blocks held outside the scheduler that a release will give back: hand-offs not yet

@@ -11,6 +11,14 @@ costs one token, an unfinished prefill takes the next chunk that fits); then wai
 admitted while budget, sequence slots and free blocks last. When a running sequence needs a
 block and none is free, the most recently admitted one is preempted: its blocks are freed and
 it is recomputed later (most of it from the prefix cache, if its blocks survive).
+
+With a time budget (``step_time_budget_s > 0`` and a cost model) a step also has seconds to
+spend, priced by :class:`PrefillCost`: the fixed cost of the step and every decode (a sequence
+with one token left; it costs like one new token at its context, ``seconds(1, ctx) - a``) are
+taken first, then each prefill chunk gets the most tokens the seconds left buy at its context
+(``tokens_within``), still capped by the token budget and its remaining tokens. A running
+sequence always gets at least one token, so nothing starves; a waiting one is admitted only
+while seconds are left (or when the step would otherwise be empty).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.cost_model import PrefillCost
 from services.common.sampling_params import SamplingParams
 from services.engine.block_manager import BlockManager
 from services.engine.sequence import BlockId, FinishReason, RequestId, Sequence, SequenceStatus
@@ -52,14 +61,100 @@ class SchedulerOutput:
         return sum(len(c.token_ids) for c in self.chunks)
 
 
+class OnlineCost:
+    """The prefill cost model, refitted from the engine's own measured steps.
+
+    Each step that computes a prefill chunk (one of more than one token) becomes one sample
+    ``(num_new, ctx, seconds)``: ``num_new`` is the step's total of new tokens and ``ctx`` the
+    context that makes the model's attention term come out exact for all its chunks together
+    (``num_new * ctx + num_new**2 / 2 = sum(n * c + n**2 / 2)``; fractional, and negative for a
+    step of many short chunks, which the linear fit does not mind). Decode-only steps are left
+    out: they are bound by memory, not by the compute this model describes.
+
+    Prior: none at first (the token budget alone applies). The first prefill step warms up
+    kernels and caches, so it is not measured; the second fixes the prior: the reference model
+    (``PrefillCost()``, SPEC.md's card) scaled by one factor so that it predicts that step
+    exactly. That keeps the reference's shape and takes the speed of this device and model,
+    which differ from the reference by orders of magnitude (a CPU is ~1000x slower). Then a
+    least-squares fit over the last ``window`` samples replaces it after 2, 4, 8 and 16
+    samples, then every ``refit_every``: early fits correct a poor prior fast, later ones track
+    drift. A fit that prices tokens at nothing (b = d = 0, from noise) is not taken.
+    """
+
+    def __init__(self, window: int = 64, refit_every: int = 16) -> None:
+        self.samples: deque[tuple[int, float, float]] = deque(maxlen=window)
+        self.refit_every = refit_every
+        self.cost: PrefillCost | None = None
+        self._is_warm = False
+        self._num_since_fit = 0
+
+    def observe(self, output: SchedulerOutput, seconds: float) -> PrefillCost | None:
+        """Record one measured step; returns the current model."""
+        if not any(len(c.token_ids) > 1 for c in output.chunks) or seconds <= 0:
+            return self.cost
+        if not self._is_warm:
+            self._is_warm = True
+            return self.cost
+        num_new = output.num_tokens
+        pairs = sum(len(c.token_ids) * c.start_position + len(c.token_ids) ** 2 / 2 for c in output.chunks)
+        sample = (num_new, (pairs - num_new * num_new / 2) / num_new, seconds)
+        self.samples.append(sample)
+        self._num_since_fit += 1
+        if self.cost is None:
+            ref = PrefillCost()
+            scale = seconds / ref.seconds(*sample[:2])
+            self.cost = PrefillCost(ref.a * scale, ref.b * scale, ref.d * scale)
+            self._num_since_fit = 0
+        elif self._num_since_fit >= min(self.refit_every, len(self.samples) - self._num_since_fit):
+            self._num_since_fit = 0
+            fitted = PrefillCost.fit(list(self.samples), prior=self.cost)
+            if fitted.b > 0 or fitted.d > 0:
+                self.cost = fitted
+        return self.cost
+
+
+@dataclass
+class StepBudget:
+    """What one step has left to spend: tokens always; seconds too when ``cost`` is set."""
+
+    num_tokens: int
+    cost: PrefillCost | None = None
+    seconds: float = 0.0
+    """Seconds left for new tokens (the step's fixed cost ``a`` is already taken out)."""
+
+    def num_fitting(self, num_left: int, num_ctx: int) -> int:
+        """How many of a sequence's ``num_left`` remaining tokens fit, after ``num_ctx``
+        computed ones (at least 1 while a token is left in the budget)."""
+        n = min(num_left, self.num_tokens)
+        if self.cost is not None:
+            # tokens_within takes the fixed cost out of what it is given: hand it back.
+            n = min(n, self.cost.tokens_within(self.seconds + self.cost.a, num_ctx))
+        return n
+
+    def take(self, num_new: int, num_ctx: int, is_priced: bool = True) -> None:
+        self.num_tokens -= num_new
+        if self.cost is not None and is_priced:
+            self.seconds -= self.cost.seconds(num_new, num_ctx) - self.cost.a
+
+    @property
+    def is_out_of_time(self) -> bool:
+        return self.cost is not None and self.seconds <= 0
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = (), step_time_budget_s: float = 0.0,
+                 cost: PrefillCost | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.step_time_budget_s = step_time_budget_s
+        """Seconds per step for chunked prefill; 0: only the token budget."""
+        self.cost = cost
+        """The prefill cost model chunks are sized with (the engine refits it as it runs);
+        unused without a time budget, and while None the token budget alone applies."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._finished_ids: list[RequestId] = []
@@ -77,13 +172,14 @@ class Scheduler:
     # ----- schedule ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:
         """The next step's work, or None when nothing can run."""
-        budget = self.max_num_batched_tokens
+        budget = self._step_budget()
         chunks: list[ScheduledChunk] = []
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.num_tokens > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            is_decode = seq.num_uncomputed_tokens == 1
+            num_new = budget.num_fitting(seq.num_uncomputed_tokens, seq.num_computed_tokens)
             while self.block_manager.allocate_slots(seq, num_new) is None:
                 self._preempt(self.running.pop())
                 preempted = True
@@ -91,23 +187,34 @@ class Scheduler:
                     break
             if seq.status is SequenceStatus.WAITING:
                 break
+            budget.take(num_new, seq.num_computed_tokens, is_priced=not is_decode)
             chunks.append(self._chunk(seq, num_new))
-            budget -= num_new
             i += 1
         if not preempted:
-            budget = self._admit(chunks, budget)
+            self._admit(chunks, budget)
         finished, self._finished_ids = self._finished_ids, []
         if not chunks:
             return None if not finished else SchedulerOutput([], finished)
         return SchedulerOutput(chunks, finished)
 
-    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> int:
+    def _step_budget(self) -> StepBudget:
+        """A fresh step's budget; with a time budget, the running decodes are paid for first."""
+        cost = self.cost if self.step_time_budget_s > 0 else None
+        if cost is None:
+            return StepBudget(self.max_num_batched_tokens)
+        decode_s = sum(cost.seconds(1, seq.num_computed_tokens) - cost.a
+                       for seq in self.running if seq.num_uncomputed_tokens == 1)
+        return StepBudget(self.max_num_batched_tokens, cost, self.step_time_budget_s - cost.a - decode_s)
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: StepBudget) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            if budget.num_tokens <= 0 or (budget.is_out_of_time and chunks):
+                break  # out of time, a new prefill still goes into an otherwise empty step
             seq = self.waiting[0]
             hits = bm.get_computed_blocks(seq)
             num_hit_tokens = len(hits) * bm.block_size
-            num_new = min(len(seq) - num_hit_tokens, budget)
+            num_new = budget.num_fitting(len(seq) - num_hit_tokens, num_hit_tokens)
             if bm.allocate_slots(seq, num_new, hits) is None:
                 break
             self.waiting.popleft()
@@ -117,8 +224,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(self._chunk(seq, num_new))
-            budget -= num_new
-        return budget
+            budget.take(num_new, num_hit_tokens)
 
     def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
