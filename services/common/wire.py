@@ -64,6 +64,8 @@ class LoadReport:
     step_time_samples_s: tuple[float, ...] = ()
     is_draining: bool = False
     num_transfers_in_flight: int = 0
+    queued_prefill_compute_s: float = 0.0
+    """Seconds of queued prefill work by the instance's own fitted cost model (0: not known)."""
 
 
 @dataclass(frozen=True)

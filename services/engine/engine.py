@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.hashing import BlockHash, block_hashes, root_hash
+from services.common import metrics
 from services.common.cost_model import PrefillCost
 from services.common.errors import InvalidRequestError, PromptTooLongError
 from services.common.sampling_params import SamplingParams
@@ -31,6 +32,8 @@ from services.engine.sequence import (BlockId, FinishReason, MultiModalInput, Re
                                       SequenceStatus)
 
 logger = logging.getLogger(__name__)
+QUEUE_TIME = metrics.histogram("epd_engine_queue_time_seconds", "From a request's arrival in the engine to its "
+                               "first scheduled step.", buckets=metrics.TTFT_BUCKETS_S)
 
 
 @dataclass
@@ -80,6 +83,8 @@ class EngineStats:
     num_kv_tokens_in_use: int
     num_free_blocks: int
     num_total_blocks: int
+    queued_prefill_compute_s: float = 0.0
+    """The queued prefill tokens priced by the fitted cost model (0 before it has one)."""
 
 
 @dataclass
@@ -217,12 +222,16 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         sched, bm = self.scheduler, self.block_manager
+        prefilling = [*sched.waiting, *(s for s in sched.running if s.num_uncomputed_tokens > 1)]
+        cost = self.prefill_cost
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting), num_held=len(self._held),
-            num_queued_prefill_tokens=sum(s.num_uncomputed_tokens for s in sched.waiting)
-            + sum(s.num_uncomputed_tokens for s in sched.running if s.num_uncomputed_tokens > 1),
+            num_queued_prefill_tokens=sum(s.num_uncomputed_tokens for s in prefilling),
             num_kv_tokens_in_use=sum(s.num_computed_tokens for s in sched.running),
-            num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks)
+            num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+            queued_prefill_compute_s=0.0 if cost is None else sum(
+                cost.prompt_seconds(len(s), s.num_computed_tokens, self.config.max_num_batched_tokens)
+                for s in prefilling))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -230,6 +239,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for every request that got a token (finished or not)."""
         out = self.scheduler.schedule()
+        for seconds in self.scheduler.queue_times_s:
+            QUEUE_TIME.observe(seconds)
+        self.scheduler.queue_times_s.clear()
         if out is None:
             self.last_step_num_tokens = 0
             if self.scheduler.waiting and not self.scheduler.running and not self._has_lent_blocks():

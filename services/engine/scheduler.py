@@ -23,6 +23,7 @@ while seconds are left (or when the step would otherwise be empty).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,6 +158,8 @@ class Scheduler:
         unused without a time budget, and while None the token budget alone applies."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.queue_times_s: list[float] = []
+        """Arrival to first admission of each sequence admitted since the engine last took them."""
         self._finished_ids: list[RequestId] = []
         self.num_preemptions = 0
         """Total preemptions so far (a load signal, and what tests assert on)."""
@@ -221,6 +224,7 @@ class Scheduler:
             seq.num_computed_tokens = num_hit_tokens
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_hit_tokens
+                self.queue_times_s.append(time.monotonic() - seq.arrival_time)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(self._chunk(seq, num_new))

@@ -129,7 +129,8 @@ class EngineInstance:
             instance_id=self.instance_id, role=self.role, num_running=stats.num_running + stats.num_held,
             num_waiting=stats.num_waiting, num_queued_prefill_tokens=stats.num_queued_prefill_tokens,
             num_kv_tokens_in_use=stats.num_kv_tokens_in_use, num_free_blocks=stats.num_free_blocks,
-            num_total_blocks=stats.num_total_blocks, step_time_samples_s=samples, **extra)
+            num_total_blocks=stats.num_total_blocks, step_time_samples_s=samples,
+            queued_prefill_compute_s=stats.queued_prefill_compute_s, **extra)
 
 
 async def serve_instance(instance: EngineInstance, config: ServingConfig, worker,

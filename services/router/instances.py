@@ -69,7 +69,9 @@ class Instance(Generic[S]):
         return InstanceView(
             instance_id=self.instance_id, role=role, machine=self.address.rsplit(":", 1)[0],
             num_running=load.num_running, num_waiting=load.num_waiting + self.num_sent,
-            num_queued_prefill_tokens=num_queued, queued_compute_s=cost.seconds(num_queued),
+            num_queued_prefill_tokens=num_queued,
+            # The instance's own estimate when it has one (its fitted model), else the reference's.
+            queued_compute_s=load.queued_prefill_compute_s or cost.seconds(num_queued),
             num_kv_tokens=load.num_kv_tokens_in_use,
             kv_capacity_tokens=load.num_total_blocks * block_size, num_patches_in_flight=load.num_patches_in_flight,
             is_healthy=self.is_healthy(now, health_timeout_s),

@@ -210,10 +210,19 @@ class PrefillBuckets(Policy):
             self._divide(ids)
         bucket = bucket_of(request.num_prompt_tokens, self._bounds)
         members = [i for i in candidates if self._assignment.get(i.instance_id) == bucket]
-        chosen = min(members or candidates, key=lambda i: (i.queued_compute_s, num_requests(i), i.instance_id))
+        chosen = min(members or candidates, key=_load)
+        if members:
+            # Work-conserving: another bucket's instance takes the request when it would start
+            # it sooner by more than the request's own compute (so a bucket is not raided for
+            # a small gain, and nothing waits behind an idle instance).
+            own_s = self._cost.prompt_seconds(request.num_prompt_tokens, request.num_cached_tokens)
+            outside = min(candidates, key=_load)
+            if outside.queued_compute_s + own_s < chosen.queued_compute_s or (_is_idle(outside) and not _is_idle(chosen)):
+                chosen = outside
         return Pick(chosen.instance_id, chosen.queued_compute_s, {
             "bucket": float(bucket), "queued_compute_s": chosen.queued_compute_s,
-            "requests": float(num_requests(chosen)), "borrowed": float(not members)})
+            "requests": float(num_requests(chosen)),
+            "borrowed": float(self._assignment.get(chosen.instance_id) != bucket)})
 
     def on_pick(self, request: RequestView, pick: Pick) -> None:
         self._roll(self._clock())
@@ -240,3 +249,11 @@ class PrefillBuckets(Policy):
             counts = allocate(self._basis, len(ids), self._caps)
             self._assignment = assign(self._assignment, counts, sorted(ids))
         self._assigned_ids = ids
+
+
+def _load(instance: InstanceView) -> tuple[float, int, str]:
+    return instance.queued_compute_s, num_requests(instance), instance.instance_id
+
+
+def _is_idle(instance: InstanceView) -> bool:
+    return instance.queued_compute_s == 0 and num_requests(instance) == 0

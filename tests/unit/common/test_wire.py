@@ -41,7 +41,7 @@ def test_stop_reason_round_trips(reason):
 
 
 def test_load_report_and_model_info_round_trip():
-    report = wire.LoadReport("p-0", "prefill", 1, 2, 3, 4, 5, 6, 7, 8, (0.5, 0.25), True, 9)
+    report = wire.LoadReport("p-0", "prefill", 1, 2, 3, 4, 5, 6, 7, 8, (0.5, 0.25), True, 9, 1.25)
     assert wire.load_from_proto(wire.load_to_proto(report)) == report
     for image_token_id in (None, 0, 42):
         info = wire.ModelInfo("m", 4096, 512, 16, (2, 3), "{}", '{"a": 1}', image_token_id, 64)

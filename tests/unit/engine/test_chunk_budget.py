@@ -13,6 +13,7 @@ from kvstore.hashing import root_hash
 from services.common.config import ConfigError
 from services.common.cost_model import PrefillCost
 from services.common.sampling_params import SamplingParams
+from services.engine import LLM
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.scheduler import OnlineCost, ScheduledChunk, Scheduler, SchedulerOutput
@@ -237,3 +238,15 @@ def test_chunks_sized_by_a_known_model_give_the_same_tokens(tiny_llama_dir, prom
     sizes = {len(c.token_ids) for c in chunks if not c.samples}
     # The time budget sized them, not the token budget (every prompt would fit 128 at once).
     assert len(sizes) > 3 and max(sizes) <= COST.tokens_within(0.1, 0) == 66
+
+
+def test_load_stats_price_the_queued_prefill_with_the_fitted_model(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_num_batched_tokens=64)
+    engine = llm.engine
+    assert engine.stats().queued_prefill_compute_s == 0.0  # no model yet
+    engine._online_cost.cost = PrefillCost(a=1.0, b=0.0, d=0.0)  # one second per step
+    engine.add_request(list(range(3, 203)), SamplingParams(max_tokens=1))  # 200 tokens: 4 chunks of 64
+    engine.add_request(list(range(3, 43)), SamplingParams(max_tokens=1))   # 40 tokens: 1 chunk
+    assert engine.stats().queued_prefill_compute_s == 5.0
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -262,10 +262,17 @@ def test_prefill_buckets_pick_least_queued_compute_then_requests_in_the_bucket()
     policy.pick(req(50), fleet())
     # Demand 0.0235 s vs 0.0776 s (cost model) over 4 instances: 1 short, 3 medium.
     assert policy.allocation == {0: ("p0",), 1: (), 2: ("p1", "p2", "p3"), 3: ()}
-    loads = [inst("p0", queued_compute_s=9.0), inst("p1", queued_compute_s=1.0, num_running=2),
+    loads = [inst("p0", queued_compute_s=1.0), inst("p1", queued_compute_s=1.0, num_running=2),
              inst("p2", queued_compute_s=1.0, num_running=1), inst("p3", queued_compute_s=3.0)]
     assert policy.pick(req(50), loads).instance_id == "p0"
     assert policy.pick(req(5_000), loads).instance_id == "p2"
+    # Work-conserving: p0 is 8 s behind, more than the short prompt's own compute, so another
+    # bucket's instance takes it; a small gap does not (the bucket keeps its isolation).
+    loads[0] = inst("p0", queued_compute_s=9.0)
+    borrowed = policy.pick(req(50), loads)
+    assert borrowed.instance_id == "p2" and borrowed.breakdown["borrowed"] == 1.0
+    loads[0] = inst("p0", queued_compute_s=1.01)
+    assert policy.pick(req(50), loads).instance_id == "p0"
 
 
 def test_prefill_buckets_redivide_when_the_available_set_changes():

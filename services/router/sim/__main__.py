@@ -1,0 +1,119 @@
+"""Simulate a whole E/P/D cluster on a trace, under the live router's own routing policies.
+
+    python -m services.router.sim --trace TRACE.jsonl --prefill 64 --decode 64 [--policy spec]
+        [--load 1.0] [--compare [NAMES]] [--plot util.png] [--json]
+
+A discrete-event simulation: prefill and decode instances with the reference cost models
+(``services/common/cost_model.py``), prefix hits from the trace's hash ids through the KV store's
+own index (``kvstore/index.py``), and routing by the very policy classes the router runs
+(``services/router/policies``, imported, never copied). ``--policy spec`` (the default) is the
+SPEC balancers, prefill_buckets for prefill and decode_balance for decode; a baseline name
+(round_robin, least_requests, power_of_two, cache_aware) routes both stages.
+
+``--load X`` time-scales the trace so the work it offers is X times what the perfectly balanced
+cluster can do in the trace's span (1.0: saturated), and the balanced bound, the perfectly even
+spread of all work over the instances with zero waiting (defined exactly in
+``services/router/sim/work.py``), is taken on that same scaled trace. The balance ratio is the
+achieved throughput over the bound's.
+
+Prints TTFT and TPOT p50/p99, throughput, SLO goodput, per-instance utilization, imbalance
+(slowest / mean) and the ratio; ``--compare`` runs more policies on the same scaled trace and
+prints a table; ``--plot`` draws per-instance utilization per policy; ``--json`` ends the output
+with one JSON object for ``--policy`` (with a ``compare`` key holding the other policies').
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from services.router.sim.cluster import SPEC, SimConfig, policy_names
+from services.router.sim.experiment import evaluate, prepare
+from services.router.sim.plot import plot_utilization
+from services.router.sim.report import Slo, describe, table
+from services.router.sim.trace import load_trace
+from services.router.sim.work import Costs
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[4] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+COMPARE_DEFAULT = (SPEC, "round_robin", "least_requests", "power_of_two", "cache_aware")
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part.strip())
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.router.sim", description=__doc__.splitlines()[0])
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
+    p.add_argument("--limit", type=int, default=0, help="only the trace's first N requests (0: all)")
+    p.add_argument("--prefill", type=int, default=64, help="prefill instances")
+    p.add_argument("--decode", type=int, default=64, help="decode instances")
+    p.add_argument("--policy", default=SPEC, help=f"{SPEC} (the SPEC balancers) or one policy for both stages")
+    p.add_argument("--load", type=float, default=1.0, help="offered work / balanced capacity (1.0: saturated)")
+    p.add_argument("--compare", nargs="?", const=",".join(COMPARE_DEFAULT), default="",
+                   help=f"comma-separated policies to run too (alone: {','.join(COMPARE_DEFAULT)})")
+    p.add_argument("--plot", type=Path, default=None, help="PNG of per-instance utilization per policy")
+    p.add_argument("--json", action="store_true", help="end with one JSON object")
+    p.add_argument("--seed", type=int, default=0, help="seed of the randomized policies")
+    p.add_argument("--slo-ttft-s", type=float, default=Slo.ttft_s, help="TTFT SLO for goodput")
+    p.add_argument("--slo-tpot-s", type=float, default=Slo.tpot_s, help="TPOT SLO for goodput")
+    p.add_argument("--step-budget-s", type=float, default=Costs.step_budget_s, help="prefill step time budget")
+    p.add_argument("--chunk-tokens", type=int, default=0, help="fixed prefill chunk instead of the budget")
+    p.add_argument("--decode-max-batch", type=int, default=Costs.decode_max_batch, help="decode batch cap")
+    p.add_argument("--kv-capacity-blocks", type=int, default=SimConfig.kv_capacity_blocks,
+                   help="blocks the shared KV store index holds")
+    p.add_argument("--hits-at", choices=("start", "arrival"), default="start",
+                   help="when a prefill's KV store hit is looked up (see SimConfig.hits_at)")
+    p.add_argument("--round-s", type=float, default=None, help="prefill buckets' round period (policy default)")
+    p.add_argument("--bucket-bounds", type=int_list, default=None, help="3 prompt-length bounds, e.g. 16384,65536,262144")
+    p.add_argument("--bucket-caps", type=int_list, default=None, help="4 per-bucket instance caps (0: none)")
+    return p
+
+
+def bucket_settings(args: argparse.Namespace) -> dict[str, Any] | None:
+    """What the live router passes to the prefill buckets' ``configure`` (only what was given)."""
+    settings = {"bounds": args.bucket_bounds, "caps": args.bucket_caps, "round_s": args.round_s}
+    settings = {key: value for key, value in settings.items() if value is not None}
+    return settings or None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    policies = [args.policy] + [name for name in args.compare.split(",") if name and name != args.policy]
+    try:
+        for name in policies:
+            policy_names(name)
+        costs = Costs(step_budget_s=args.step_budget_s, chunk_tokens=args.chunk_tokens,
+                      decode_max_batch=args.decode_max_batch)
+        config = SimConfig(args.prefill, args.decode, costs, args.kv_capacity_blocks, hits_at=args.hits_at)
+        requests = load_trace(args.trace, args.limit)
+        started = time.perf_counter()
+        experiment = prepare(requests, config, args.load)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    slo = Slo(args.slo_ttft_s, args.slo_tpot_s)
+    reports = []
+    for name in policies:
+        reports.append(evaluate(experiment, name, args.seed, slo, bucket_settings(args)))
+        print(describe(reports[-1]), end="\n\n", flush=True)
+    if len(reports) > 1:
+        print(table(reports), end="\n\n")
+    if args.plot is not None:
+        print(f"utilization plot: {plot_utilization(reports, args.plot)}")
+    print(f"{len(requests)} requests, {args.prefill} prefill + {args.decode} decode, "
+          f"{len(reports)} run(s) in {time.perf_counter() - started:.1f} s")
+    if args.json:
+        figures = reports[0].as_json()
+        if len(reports) > 1:
+            figures["compare"] = {r.policy: r.summary() for r in reports[1:]}
+        print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
