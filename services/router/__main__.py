@@ -56,7 +56,8 @@ async def run(config: RouterConfig) -> int:
     logger.info("router serving %s on http://%s:%d/v1", backend.model_name, config.host, config.port)
     if config.admin_port is not None and config.admin_token:
         admin = create_admin_app({"prefill": backend.prefills, "decode": backend.decodes,
-                                  "encoder": backend.encoders}, config.admin_token)
+                                  "encoder": backend.encoders}, config.admin_token,
+                                 prepare=lambda policy: configure_buckets(policy, config, backend.max_model_len))
         servers.append(uvicorn.Server(uvicorn.Config(admin, host=config.admin_host, port=config.admin_port,
                                                      log_level="warning")))
         logger.info("admin API on http://%s:%d/admin/ (bearer token)", config.admin_host, config.admin_port)

@@ -16,6 +16,7 @@ Every path needs ``Authorization: Bearer <admin token>`` (401 otherwise). Errors
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -24,7 +25,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict
 
 from services.router.instances import InstancePool
-from services.router.policies import POLICIES, make_policy
+from services.router.policies import POLICIES, Policy, make_policy
 
 ROLES = ("prefill", "decode", "encoder")
 
@@ -44,8 +45,10 @@ class BucketChange(BaseModel):
     """Seconds between reallocations."""
 
 
-def create_admin_app(pools: dict[str, InstancePool], token: str) -> FastAPI:
-    """``pools``: role -> the router's instance pool for it."""
+def create_admin_app(pools: dict[str, InstancePool], token: str,
+                     prepare: Callable[[Policy], None] = lambda policy: None) -> FastAPI:
+    """``pools``: role -> the router's instance pool for it; ``prepare(policy)`` gives a policy
+    switched in through the API the router's settings (bucket bounds scaled to the model...)."""
     if not token:
         raise ValueError("the admin API needs a token")
     app = FastAPI(title="epd router admin API", openapi_url="/admin/openapi.json", docs_url="/admin/docs",
@@ -126,9 +129,11 @@ def create_admin_app(pools: dict[str, InstancePool], token: str) -> FastAPI:
     def switch_policy(role: str, change: PolicyChange) -> dict[str, Any]:
         pool = pool_of(role)
         try:
-            pool.policy = make_policy(change.policy)
+            policy = make_policy(change.policy)
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from None
+        prepare(policy)
+        pool.policy = policy
         return {"role": role, "policy": pool.policy.name}
 
     @app.get("/admin/prefill/buckets", dependencies=[Depends(authorized)])

@@ -100,7 +100,7 @@ class ClusterBackend:
         spec = await self._spec(request)
         num_prompt = len(spec.prompt_token_ids)
         view = RequestView(request.request_id, num_prompt, spec.params.max_tokens,
-                           self._block_hashes(spec) if getattr(self.prefills.policy, "needs_block_hashes", False)
+                           self._block_hashes(spec) if self.prefills.policy.needs_block_hashes
                            else ())
         prefill, first = await self._prefill(spec, view)
         kv = first.kv if first.HasField("kv") else None

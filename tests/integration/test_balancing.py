@@ -64,6 +64,15 @@ def test_policies_and_buckets_change_at_run_time(cluster):
     complete(cluster, random_prompts(1, [40], vocab=49152, seed=1)[0])
     assert admin(cluster, "GET", "/admin/policies").json()["roles"]["decode"]["picks"]["least_requests"] >= 1
     admin(cluster, "PUT", "/admin/policies/decode", json={"policy": "decode_balance"})
+    # The cache-aware baseline sees the router's block hashes: a repeated prompt matches its prefix.
+    admin(cluster, "PUT", "/admin/policies/prefill", json={"policy": "cache_aware"})
+    prompt = random_prompts(1, [200], vocab=49152, seed=3)[0]
+    complete(cluster, prompt)
+    complete(cluster, prompt)
+    last = admin(cluster, "GET", "/admin/policies").json()["roles"]["prefill"]["last_pick"]
+    assert last["breakdown"]["matched_blocks"] == 200 // 16
+    admin(cluster, "PUT", "/admin/policies/prefill", json={"policy": "prefill_buckets"})
+    assert admin(cluster, "GET", "/admin/prefill/buckets").json()["bounds"] == buckets["bounds"]  # scaled again
 
 
 def test_a_drained_decode_instance_gets_no_new_request_and_finishes_its_own(cluster):

@@ -64,6 +64,8 @@ class Pick:
 
 class Policy(ABC):
     name: str = ""
+    needs_block_hashes: bool = False
+    """Whether pick reads ``request.block_hashes`` (the router hashes prompts only then)."""
 
     @abstractmethod
     def pick(self, request: RequestView, instances: Sequence[InstanceView]) -> Pick | None:

@@ -25,6 +25,7 @@ class CacheAware(Policy):
     load is imbalanced. ``balanced_mode`` in the breakdown is 1 when that fallback decided."""
 
     name = "cache_aware"
+    needs_block_hashes = True
 
     def __init__(self, balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.5,
                  max_tracked_blocks: int = 100_000) -> None:
