@@ -253,7 +253,10 @@ def main() -> None:
     config = UpConfig(model="", encoders=0, prefills=2, decodes=1, kvstores=1, kvstore_dir="none",
                       kvstore_capacity_mib=capacity_mib, kv_cache_gib=kv_cache_gib,
                       max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
-                      port=free_port("127.0.0.1"))
+                      port=free_port("127.0.0.1"), admin_port=free_port("127.0.0.1"),
+                      # Round robin: the hit lands on the instance that did not compute the prompt,
+                      # so the store serves it (a load-aware pick would reuse the idle writer's cache).
+                      prefill_policy="round_robin")
     log(f"cluster: 2 prefill, 1 decode, 1 store node ({capacity_mib} MiB, memory only), "
         f"{kv_cache_gib} GiB KV per engine, chunk {args.max_num_batched_tokens} tokens, device {args.device}")
 

@@ -83,6 +83,10 @@ class UpConfig:
     node); empty: ~/.cache/epd/kvstore; "none": memory only."""
     kvstore_disk_gib: float = 8.0
     """Disk tier of each store node."""
+    prefill_policy: str = ""
+    """The router's prefill balancer (e.g. round_robin); empty: its default, prefill_buckets."""
+    decode_policy: str = ""
+    """The router's decode balancer; empty: its default, decode_balance."""
     admin_port: int = 8001
     """The router's admin API port (on 127.0.0.1)."""
     admin_token: str = ""
@@ -197,6 +201,8 @@ class Cluster:
         router_args += [arg for child in decodes for arg in ("--decode", child.address)]
         router_args += [arg for child in encoders for arg in ("--encoder", child.address)]
         router_args += ["--admin-port", str(c.admin_port)]
+        router_args += [arg for flag, value in (("--prefill-policy", c.prefill_policy),
+                                                ("--decode-policy", c.decode_policy)) if value for arg in (flag, value)]
         # The token goes by environment, not argv: other users can read a process's argv.
         env = {**os.environ, "EPD_ROUTER_ADMIN_TOKEN": self.admin_token}
         router = Child("router", f"{c.host}:{c.port}", subprocess.Popen(

@@ -1,10 +1,13 @@
-"""The router's HTTP front door: OpenAI-compatible routes over a :class:`Backend`.
+"""The router's HTTP front door: OpenAI- and Anthropic-compatible routes over a :class:`Backend`.
 
-Life of a request here::
+One module per protocol (openai_api / openai_models, anthropic_api) turns its bodies into a
+GenerateRequest plus a format object; this module is the shared core. Life of a request here::
 
-    body (pydantic) -> checks, chat template, token ids (a worker thread) -> GenerateRequest
+    body (pydantic) -> checks, chat template, token ids (a worker thread) -> GenerateRequest, Format
         -> backend.generate() -> first chunk (errors before it are plain HTTP errors)
-        -> JSON response, or SSE: role chunk, text deltas, finish chunk, [usage chunk], [DONE]
+        -> JSON response, or SSE: the format's start events, text deltas, end events, terminator
+           (OpenAI: role chunk, deltas, finish chunk, [usage chunk], [DONE]; Anthropic: message_start
+           ... message_stop, no terminator)
 
 The client going away is watched for the whole time; it cancels whatever is reading the backend
 iterator and the iterator is closed, which is how the backend learns to cancel the request. The
@@ -19,6 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import ClassVar, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,8 +33,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common import metrics
 from services.common.errors import EPDError
+from services.router import anthropic_api
 from services.router import openai_api as api
+from services.router.anthropic_api import CountTokensRequest, MessagesFormat, MessagesRequest
 from services.router.backend import Backend, GenerateRequest
+from services.router.errors import ErrorBody, describe_validation_errors, error_body_for, error_of
 from services.router.openai_models import (ChatCompletionRequest, ChatFormat, CompletionFormat,
                                            CompletionRequest)
 
@@ -58,6 +65,24 @@ INTER_TOKEN_LATENCY = metrics.histogram(
     "tokens after a gap g counts as k tokens g/k apart)", ["endpoint"], buckets=metrics.INTER_TOKEN_BUCKETS_S)
 
 
+"""A protocol's error body: ``(status, message, param=None, code=None) -> dict``."""
+Event = tuple[str | None, dict]
+"""One SSE event: its name (None: a data-only event, as OpenAI sends them) and its JSON data."""
+
+
+class Format(Protocol):
+    """How one request's output goes on the wire (openai_models.ChatFormat, anthropic_api.MessagesFormat, ...)."""
+
+    terminator: ClassVar[bytes]
+    """Sent after the last event, after an error event too (OpenAI's ``data: [DONE]``); b"": none."""
+
+    def response(self, out: api.OutputText) -> dict: ...
+    def start_events(self, out: api.OutputText) -> list[Event]: ...
+    def text_event(self, text: str) -> Event: ...
+    def end_events(self, out: api.OutputText) -> list[Event]: ...
+    def error_event(self, body: dict) -> Event: ...
+
+
 class ClientGone(Exception):
     """The client disconnected before the response was ready."""
 
@@ -65,8 +90,9 @@ class ClientGone(Exception):
 class RequestTimer:
     """One request's metrics, recorded once whichever way it ends."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, error_body: ErrorBody = api.error_body) -> None:
         self.endpoint = endpoint
+        self.error_body = error_body
         self.start = time.perf_counter()
         self.has_first_token = False
         self.last_token_at = self.start
@@ -100,56 +126,9 @@ class RequestTimer:
             E2E_LATENCY.labels(self.endpoint).observe(time.perf_counter() - self.start)
 
     def error(self, exc: BaseException) -> JSONResponse:
-        status, body = error_of(exc)
+        status, body = error_of(exc, self.error_body)
         self.done(status)
         return JSONResponse(body, status_code=status)
-
-
-def error_of(exc: BaseException) -> tuple[int, dict]:
-    """HTTP status and OpenAI error body for any exception; unexpected ones are logged."""
-    if isinstance(exc, EPDError):
-        return exc.http_status, api.epd_error_body(exc)
-    logger.error("request failed", exc_info=exc)
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return 503, api.error_body(503, f"the backend is unavailable: {exc}")
-    return 500, api.error_body(500, f"internal error: {type(exc).__name__}")
-
-
-def describe_validation_errors(errors: list[dict]) -> tuple[str, str | None]:
-    """One message naming each bad field; pydantic's union-branch tags are folded into
-    "expected A or B" so the client sees its own field names only."""
-    groups: dict[str, list[tuple[list, int, dict]]] = {}
-    for error in errors:
-        loc = list(error["loc"])[1:] if error["loc"][:1] == ("body",) else list(error["loc"])
-        if error["type"] == "json_invalid":
-            reason = (error.get("ctx") or {}).get("error", "")
-            return f"the request body is not valid JSON: {reason}", None
-        tag_at = next((i for i, p in enumerate(loc) if isinstance(p, str) and _is_union_tag(p)), len(loc))
-        groups.setdefault(_path(loc[:tag_at]), []).append((loc, tag_at, error))
-    messages = []
-    for field, members in groups.items():
-        deepest = max(len(loc) for loc, _, _ in members)
-        kept = [(loc, tag_at, error) for loc, tag_at, error in members if len(loc) == deepest]
-        if len(kept) > 1 and all(tag_at < len(loc) for loc, tag_at, _ in kept):
-            expected = " or ".join(dict.fromkeys(loc[tag_at] for loc, tag_at, _ in kept))
-            messages.append(f"{field}: expected {expected}")
-            continue
-        loc, _, error = kept[0]
-        path = _path([p for p in loc if not (isinstance(p, str) and _is_union_tag(p))])
-        if not path:
-            messages.append("the request body must be a JSON object (send Content-Type: application/json)")
-        else:
-            messages.append(f"{path}: {error['msg']}")
-    first = next(iter(groups), None)
-    return "; ".join(messages), first or None
-
-
-def _is_union_tag(part: str) -> bool:
-    return "[" in part or part in ("str", "int", "float", "bool", "dict", "list")
-
-
-def _path(loc: list) -> str:
-    return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(loc))
 
 
 async def _wait_for_disconnect(receive: Callable) -> None:
@@ -212,17 +191,17 @@ class EventStreamResponse(StreamingResponse):
             pass
 
 
-def _sse(data: dict) -> bytes:
-    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+def _sse(event: Event) -> bytes:
+    name, data = event
+    head = b"" if name is None else b"event: " + name.encode() + b"\n"
+    return head + b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
 class _Generation:
     """Runs one GenerateRequest against the backend and shapes the result for one endpoint."""
 
-    def __init__(self, backend: Backend, request: GenerateRequest, fmt: ChatFormat | CompletionFormat,
-                 timer: RequestTimer, return_token_ids: bool = False) -> None:
+    def __init__(self, backend: Backend, request: GenerateRequest, fmt: Format, timer: RequestTimer) -> None:
         self.out = api.OutputText(backend.tokenizer, request)
-        self.return_token_ids = return_token_ids
         self.chunks = aiter(backend.generate(request))
         self.fmt = fmt
         self.timer = timer
@@ -245,81 +224,101 @@ class _Generation:
             await self.next_text()
 
     def response(self) -> JSONResponse:
-        out = self.out
         self.timer.done(200)
-        body = self.fmt.response(out.text, out.finish_reason, out.usage())
-        if self.return_token_ids:
-            body["choices"][0]["token_ids"] = out.token_ids
-        return JSONResponse(body)
+        return JSONResponse(self.fmt.response(self.out))
 
-    async def events(self, first_text: str, include_usage: bool) -> AsyncGenerator[bytes, None]:
+    async def events(self, first_text: str) -> AsyncGenerator[bytes, None]:
         status = CLIENT_CLOSED_STATUS  # unless the stream reaches its end
         try:
-            if (first := self.fmt.first_chunk()) is not None:
-                yield _sse(first)
+            for event in self.fmt.start_events(self.out):
+                yield _sse(event)
             text = first_text
             while True:
                 if text:
-                    yield _sse(self.fmt.text_chunk(text))
+                    yield _sse(self.fmt.text_event(text))
                 if self.out.is_finished:
                     break
                 text = await self.next_text()
-            yield _sse(self.fmt.finish_chunk(self.out.finish_reason))
-            if include_usage:
-                yield _sse(self.fmt.usage_chunk(self.out.usage()))
+            for event in self.fmt.end_events(self.out):
+                yield _sse(event)
             status = 200
         except Exception as exc:  # noqa: BLE001 - after the headers, an error is an SSE event
-            status, body = error_of(exc)
-            yield _sse(body)
+            status, body = error_of(exc, self.timer.error_body)
+            yield _sse(self.fmt.error_event(body))
         finally:
             await close(self.chunks)
             self.timer.done(status)
-        yield b"data: [DONE]\n\n"
+        if self.fmt.terminator:
+            yield self.fmt.terminator
 
 
-class OpenAIRoutes:
+class Routes:
+    """Every protocol's routes over one backend."""
+
     def __init__(self, backend: Backend, served_model_names: list[str] | None) -> None:
         self.backend = backend
         self.model_names = list(dict.fromkeys([*(served_model_names or ()), backend.model_name]))
 
-    def _chat_request(self, body: ChatCompletionRequest) -> GenerateRequest:
+    def _openai_format(self, format_cls, request: GenerateRequest, body) -> Format:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return format_cls(request.request_id, body.model or self.backend.model_name, int(time.time()),
+                          include_usage, body.return_token_ids)
+
+    def _chat_request(self, body: ChatCompletionRequest) -> tuple[GenerateRequest, Format]:
         api.check_model(body.model, self.model_names)
         api.check_chat_supported(body)
         api.requested_max_tokens(body)
         prompt = api.chat_prompt(body.messages, self.backend.tokenizer, self.backend.image_token_id)
         params = api.sampling_params(body, len(prompt.token_ids), self.backend.max_model_len, "messages")
-        return api.generate_request(f"chatcmpl-{uuid.uuid4().hex}", prompt, params, body, "chat")
+        request = api.generate_request(f"chatcmpl-{uuid.uuid4().hex}", prompt, params, body, "chat")
+        return request, self._openai_format(ChatFormat, request, body)
 
-    def _completion_request(self, body: CompletionRequest) -> GenerateRequest:
+    def _completion_request(self, body: CompletionRequest) -> tuple[GenerateRequest, Format]:
         api.check_model(body.model, self.model_names)
         api.check_completion_supported(body)
         api.requested_max_tokens(body)
         prompt = api.completion_prompt(body.prompt, self.backend.tokenizer)
         params = api.sampling_params(body, len(prompt.token_ids), self.backend.max_model_len, "prompt")
-        return api.generate_request(f"cmpl-{uuid.uuid4().hex}", prompt, params, body, "agent")
+        request = api.generate_request(f"cmpl-{uuid.uuid4().hex}", prompt, params, body, "agent")
+        return request, self._openai_format(CompletionFormat, request, body)
+
+    def _messages_request(self, body: MessagesRequest) -> tuple[GenerateRequest, Format]:
+        request = anthropic_api.messages_request(body, self.backend, self.model_names)
+        return request, MessagesFormat(request.request_id, body.model)
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
-        return await self._serve(request, body, self._chat_request, ChatFormat, "/v1/chat/completions")
+        return await self._serve(request, body, self._chat_request, RequestTimer("/v1/chat/completions"))
 
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
-        return await self._serve(request, body, self._completion_request, CompletionFormat, "/v1/completions")
+        return await self._serve(request, body, self._completion_request, RequestTimer("/v1/completions"))
 
-    async def _serve(self, request: Request, body, build: Callable, format_cls, endpoint: str) -> Response:
-        timer = RequestTimer(endpoint)
+    async def messages(self, request: Request, body: MessagesRequest) -> Response:
+        timer = RequestTimer("/v1/messages", anthropic_api.error_body)
+        return await self._serve(request, body, self._messages_request, timer)
+
+    async def count_tokens(self, body: CountTokensRequest) -> Response:
+        """Anthropic's ``/v1/messages/count_tokens``: the templated prompt's length, nothing generated."""
+        try:
+            prompt = await run_in_threadpool(anthropic_api.prompt, body, self.backend, self.model_names)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an Anthropic error body
+            status, error = error_of(exc, anthropic_api.error_body)
+            return JSONResponse(error, status_code=status)
+        return JSONResponse({"input_tokens": len(prompt.token_ids)})
+
+    async def _serve(self, request: Request, body, build: Callable, timer: RequestTimer) -> Response:
         try:
             # Templates and tokenizing are CPU work: off the event loop, which streams for everyone.
-            generate_request = await run_in_threadpool(build, body)
+            generate_request, fmt = await run_in_threadpool(build, body)
         except Exception as exc:  # noqa: BLE001 - EPDError: the client's fault; else logged as a bug
             return timer.error(exc)
-        PROMPT_TOKENS.labels(endpoint).inc(len(generate_request.prompt_token_ids))
-        fmt = format_cls(generate_request.request_id, body.model or self.backend.model_name, int(time.time()))
+        PROMPT_TOKENS.labels(timer.endpoint).inc(len(generate_request.prompt_token_ids))
         generation = None
         try:
-            generation = _Generation(self.backend, generate_request, fmt, timer, body.return_token_ids)
+            generation = _Generation(self.backend, generate_request, fmt, timer)
             reading = generation.next_text() if body.stream else generation.read_all()
             # Streams read the first chunk before the headers, so early failures get real statuses.
             first_text = await unless_disconnected(request.receive, reading)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
+        except Exception as exc:  # noqa: BLE001 - every failure becomes the protocol's error body
             if generation is not None:
                 await close(generation.chunks)
             if isinstance(exc, ClientGone):
@@ -329,8 +328,7 @@ class OpenAIRoutes:
         if not body.stream:
             await close(generation.chunks)
             return generation.response()
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return EventStreamResponse(generation.events(first_text, include_usage))
+        return EventStreamResponse(generation.events(first_text))
 
     async def models(self) -> dict:
         created = int(time.time())
@@ -353,11 +351,13 @@ def metrics_text() -> Response:
 
 
 def create_app(backend: Backend, served_model_names: list[str] | None = None) -> FastAPI:
-    """The OpenAI-compatible ASGI app over ``backend`` (see openai_api.py for what it accepts)."""
-    app = FastAPI(title="epd router", summary="OpenAI-compatible front door of the epd cluster")
-    routes = OpenAIRoutes(backend, served_model_names)
+    """The ASGI app over ``backend`` (see openai_api.py and anthropic_api.py for what it accepts)."""
+    app = FastAPI(title="epd router", summary="OpenAI- and Anthropic-compatible front door of the epd cluster")
+    routes = Routes(backend, served_model_names)
     app.add_api_route("/v1/chat/completions", routes.chat, methods=["POST"], response_model=None)
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)
+    app.add_api_route("/v1/messages", routes.messages, methods=["POST"], response_model=None)
+    app.add_api_route("/v1/messages/count_tokens", routes.count_tokens, methods=["POST"], response_model=None)
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/health", routes.health, methods=["GET"], response_model=None)
     app.add_api_route("/metrics", metrics_text, methods=["GET"], response_model=None)
@@ -366,20 +366,21 @@ def create_app(backend: Backend, served_model_names: list[str] | None = None) ->
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = describe_validation_errors(list(exc.errors()))
         REQUESTS.labels(request.url.path, "400").inc()
-        return JSONResponse(api.error_body(400, message, param), status_code=400)
+        return JSONResponse(error_body_for(request.url.path)(400, message, param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(api.error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
-                            headers=exc.headers)
+        body = error_body_for(request.url.path)(exc.status_code, str(exc.detail))
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(EPDError)
     async def _epd_error(request: Request, exc: EPDError) -> JSONResponse:
-        return JSONResponse(api.epd_error_body(exc), status_code=exc.http_status)
+        status, body = error_of(exc, error_body_for(request.url.path))
+        return JSONResponse(body, status_code=status)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
-        status, body = error_of(exc)
+        status, body = error_of(exc, error_body_for(request.url.path))
         return JSONResponse(body, status_code=status)
 
     return app

@@ -70,11 +70,12 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def epd_error_body(exc: EPDError) -> dict:
+def error_details(exc: EPDError) -> tuple[str | None, str | None]:
+    """The ``param`` and ``code`` of an EPDError's OpenAI body."""
     param = getattr(exc, "param", None)
     if param is None and (match := re.match(r"(\w+)=", str(exc))):  # SamplingParams names the field so
         param = match.group(1)
-    return error_body(exc.http_status, str(exc), param, getattr(exc, "code", None))
+    return param, getattr(exc, "code", None)
 
 
 def check_model(requested: str | None, accepted: list[str]) -> None:
@@ -123,7 +124,7 @@ class Prompt:
     image_positions: tuple[int, ...] = ()
 
 
-def _check_image_uri(url: str, param: str) -> str:
+def check_image_uri(url: str, param: str) -> str:
     match = _DATA_URI.fullmatch(url)
     if match is None:
         raise invalid(f"{param}: only data:image/<format>;base64,... URIs are accepted (the router "
@@ -152,7 +153,7 @@ def _render_content(message: ChatMessage, where: str, image_token_id: int | None
             raise invalid(f"{param}: this model takes no images", param)
         if part.image_url is None:
             raise invalid(f"{param}: an image_url part needs \"image_url\": {{\"url\": ...}}", param)
-        images.append(_check_image_uri(part.image_url.url, f"{param}.image_url.url"))
+        images.append(check_image_uri(part.image_url.url, f"{param}.image_url.url"))
         pieces.append(marker)
     return "\n".join(pieces)
 

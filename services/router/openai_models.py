@@ -9,9 +9,12 @@ a silently different answer; :mod:`services.router.openai_api` does those checks
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from services.router.openai_api import OutputText
 
 
 class _Body(BaseModel):
@@ -119,7 +122,7 @@ class CompletionRequest(SamplingFields):
 
 
 # Responses are plain JSON built here, one class per endpoint with the same methods, so the HTTP
-# layer drives chat and completions with one streaming loop.
+# layer drives chat, completions (and anthropic_api's messages) with one streaming loop.
 
 def usage_body(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
@@ -128,11 +131,42 @@ def usage_body(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens
 
 
 @dataclass(frozen=True)
-class ChatFormat:
+class _OpenAIFormat:
+    """The streaming loop's side of an OpenAI endpoint: data-only events (no SSE event names), an
+    error as one more data event, and ``data: [DONE]`` last, after an error too."""
+
     id: str
     model: str
     created: int
+    include_usage: bool = False
+    """``stream_options.include_usage``: a last chunk carries the usage."""
+    return_token_ids: bool = False
+    terminator: ClassVar[bytes] = b"data: [DONE]\n\n"
 
+    def start_events(self, out: OutputText) -> list[tuple[str | None, dict]]:
+        first = self.first_chunk()
+        return [] if first is None else [(None, first)]
+
+    def text_event(self, text: str) -> tuple[str | None, dict]:
+        return None, self.text_chunk(text)
+
+    def end_events(self, out: OutputText) -> list[tuple[str | None, dict]]:
+        events = [(None, self.finish_chunk(out.finish_reason))]
+        if self.include_usage:
+            events.append((None, self.usage_chunk(out.usage())))
+        return events
+
+    def error_event(self, body: dict) -> tuple[str | None, dict]:
+        return None, body
+
+    def response(self, out: OutputText) -> dict:
+        body = self.full_response(out.text, out.finish_reason, out.usage())
+        if self.return_token_ids:
+            body["choices"][0]["token_ids"] = out.token_ids
+        return body
+
+
+class ChatFormat(_OpenAIFormat):
     def _chunk(self, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.model, "choices": choices, **extra}
@@ -152,19 +186,14 @@ class ChatFormat:
     def usage_chunk(self, usage: dict) -> dict:
         return self._chunk([], usage=usage)
 
-    def response(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def full_response(self, text: str, finish_reason: str, usage: dict) -> dict:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                              "finish_reason": finish_reason, "logprobs": None}],
                 "usage": usage}
 
 
-@dataclass(frozen=True)
-class CompletionFormat:
-    id: str
-    model: str
-    created: int
-
+class CompletionFormat(_OpenAIFormat):
     def _body(self, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model, "choices": choices, **extra}
@@ -184,5 +213,5 @@ class CompletionFormat:
     def usage_chunk(self, usage: dict) -> dict:
         return self._body([], usage=usage)
 
-    def response(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def full_response(self, text: str, finish_reason: str, usage: dict) -> dict:
         return self._body([self._choice(text, finish_reason)], usage=usage)

@@ -19,7 +19,8 @@ CHUNK = 64
 @pytest.fixture(scope="module")
 def cluster(tiny_chat_model_dir):
     with running_cluster(str(tiny_chat_model_dir), encoders=0, prefills=2, decodes=1, kv_cache_gib=0.05,
-                         max_num_batched_tokens=CHUNK, device="cpu", kvstores=1) as running:
+                         max_num_batched_tokens=CHUNK, device="cpu", kvstores=1,
+                         prefill_policy="round_robin") as running:
         yield running
 
 

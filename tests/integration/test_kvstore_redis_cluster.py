@@ -14,7 +14,7 @@ def test_two_replicas_on_redis_survive_the_loss_of_a_node(tiny_chat_model_dir, r
     prompt = random_prompts(1, [640], vocab=49152, seed=31)[0]
     with running_cluster(str(tiny_chat_model_dir), encoders=0, prefills=2, decodes=1, kv_cache_gib=0.05,
                          max_num_batched_tokens=64, device="cpu", kvstores=2, redis=redis_url,
-                         kvstore_replicas=2) as cluster:
+                         kvstore_replicas=2, prefill_policy="round_robin") as cluster:
         try:
             first, cached = complete(cluster, prompt)
             assert cached == 0

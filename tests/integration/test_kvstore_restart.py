@@ -23,7 +23,8 @@ def disk_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(tiny_chat_model_dir, disk_dir):
     with running_cluster(str(tiny_chat_model_dir), encoders=0, prefills=2, decodes=1, kv_cache_gib=0.05,
-                         max_num_batched_tokens=64, device="cpu", kvstores=1, kvstore_dir=str(disk_dir)) as running:
+                         max_num_batched_tokens=64, device="cpu", kvstores=1, kvstore_dir=str(disk_dir),
+                         prefill_policy="round_robin") as running:
         yield running
 
 

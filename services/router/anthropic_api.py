@@ -1,0 +1,226 @@
+"""Anthropic Messages protocol <-> GenerateRequest: request bodies, the response format, the checks.
+
+Supported (``POST /v1/messages`` and ``POST /v1/messages/count_tokens``):
+
+* ``model`` (required): the backend's model name or any ``--served-model-name``; else a 404.
+* ``messages``: roles ``user`` and ``assistant`` (anything else is a 400 naming it); ``content`` a
+  string or a list of blocks: ``{"type": "text", "text": ...}`` and, for a model that takes images,
+  ``{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ...}}``
+  (mapped to the data URI the OpenAI path takes; URL sources are a 400, the router fetches nothing).
+  ``system``: a string or a list of text blocks. Blocks are joined with "\\n" as OpenAI parts are;
+  the conversation then goes through the same chat template and tokenizing as chat completions.
+* ``max_tokens`` (required on /v1/messages, >= 1), ``temperature``, ``top_p``, ``top_k``,
+  ``stop_sequences``, ``stream``, ``metadata`` (accepted, ignored), and the epd extensions
+  ``cache_salt`` / ``kv_retention`` (default ``chat``) as the OpenAI bodies have them.
+* ``stop_reason``: ``end_turn`` (EOS), ``max_tokens``, or ``stop_sequence`` with the matched
+  ``stop_sequence``. ``usage.cache_read_input_tokens`` are the prompt tokens served from the KV
+  cache; ``cache_creation_input_tokens`` is always 0 (caching is automatic, never billed apart).
+* count_tokens answers ``{"input_tokens": N}``: the templated prompt's tokens, one per image
+  (the encoder side widens each image later).
+
+Not supported yet, a 400 that says so: other block types (``tool_use``, ``tool_result``,
+``document``, ``thinking``, ...), non-empty ``tools``, a ``tool_choice`` and an enabled ``thinking``.
+Unknown fields are ignored. Errors use Anthropic's body, ``{"type": "error", "error": {"type",
+"message"}}``, with the same statuses as the OpenAI endpoints (503 is an ``overloaded_error``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.router import openai_api as api
+from services.router.backend import Backend, GenerateRequest
+from services.router.openai_api import OutputText, Prompt, invalid
+from services.router.openai_models import ChatMessage, ContentPart, ImageURL, SamplingFields
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ImageSource(_Body):
+    type: str
+    """Only ``base64`` is accepted."""
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class ContentBlock(_Body):
+    """``{"type": "text", "text": ...}`` or ``{"type": "image", "source": {...}}``; any other type
+    is declared only to be rejected in plain words (a 400 that names it)."""
+
+    type: str
+    text: str | None = None
+    source: ImageSource | None = None
+
+
+class AnthropicMessage(_Body):
+    role: str
+    """user or assistant."""
+    content: str | list[ContentBlock]
+
+
+class CountTokensRequest(_Body):
+    model: str
+    messages: list[AnthropicMessage]
+    system: str | list[ContentBlock] | None = None
+    tools: list[Any] | None = None
+    """Not supported yet: only null or []."""
+    tool_choice: Any = None
+    """Not supported yet."""
+    thinking: Any = None
+    """Not supported yet: only null or {"type": "disabled"}."""
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+    """Accepted and ignored."""
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    """vLLM extension: only requests with the same salt share cached KV."""
+    kv_retention: Literal["agent", "chat"] | None = None
+    """epd extension: how long the KV store keeps this request's blocks. Default: chat."""
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """Anthropic's error body; it has no place for OpenAI's ``param`` / ``code``."""
+    error_type = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": error_type, "message": message}}
+
+
+def _check_supported(body: CountTokensRequest) -> None:
+    if body.tools:
+        raise invalid("tools are not supported yet (tool use comes later)", "tools")
+    if body.tool_choice is not None:
+        raise invalid("tool_choice is not supported yet (tool use comes later)", "tool_choice")
+    if body.thinking is not None and body.thinking != {"type": "disabled"}:
+        raise invalid("thinking is not supported yet", "thinking")
+
+
+def _part(block: ContentBlock, param: str, image_token_id: int | None) -> ContentPart:
+    if block.type == "text":
+        if block.text is None:
+            raise invalid(f"{param}: a text block needs \"text\"", param)
+        return ContentPart(type="text", text=block.text)
+    if block.type != "image":
+        raise invalid(f"{param}: {block.type!r} blocks are not supported yet (only text and image)", param)
+    if image_token_id is None:
+        raise invalid(f"{param}: this model takes no images", param)
+    source = block.source
+    if source is None or source.type != "base64" or not source.media_type or source.data is None:
+        raise invalid(f"{param}: only base64 image sources are accepted ({{\"type\": \"base64\", "
+                      f"\"media_type\": \"image/png\", \"data\": ...}}); the router fetches no URLs", param)
+    url = api.check_image_uri(f"data:{source.media_type};base64,{source.data}", f"{param}.source")
+    return ContentPart(type="image_url", image_url=ImageURL(url=url))
+
+
+def _content(content: str | list[ContentBlock], where: str, image_token_id: int | None) -> str | list[ContentPart]:
+    if isinstance(content, str):
+        return content
+    return [_part(block, f"{where}.content[{i}]", image_token_id) for i, block in enumerate(content)]
+
+
+def chat_messages(body: CountTokensRequest, image_token_id: int | None) -> list[ChatMessage]:
+    """The conversation as the OpenAI path's messages: the system prompt first, then the turns."""
+    if not body.messages:
+        raise invalid("messages must not be empty", "messages")
+    messages = []
+    if body.system:
+        if not isinstance(body.system, str) and any(block.type != "text" for block in body.system):
+            raise invalid("system: only text blocks are accepted", "system")
+        system = body.system if isinstance(body.system, str) else [
+            _part(block, f"system[{i}]", None) for i, block in enumerate(body.system)]
+        messages.append(ChatMessage(role="system", content=system))
+    for i, message in enumerate(body.messages):
+        if message.role not in ("user", "assistant"):
+            raise invalid(f"messages[{i}].role {message.role!r} is not supported (use user or assistant)",
+                          f"messages[{i}].role")
+        messages.append(ChatMessage(role=message.role, content=_content(message.content, f"messages[{i}]",
+                                                                        image_token_id)))
+    return messages
+
+
+def prompt(body: CountTokensRequest, backend: Backend, model_names: list[str]) -> Prompt:
+    """The checked body's prompt: the chat template's token ids (and images), as chat completions."""
+    api.check_model(body.model, model_names)
+    _check_supported(body)
+    messages = chat_messages(body, backend.image_token_id)
+    return api.chat_prompt(messages, backend.tokenizer, backend.image_token_id)
+
+
+def messages_request(body: MessagesRequest, backend: Backend, model_names: list[str]) -> GenerateRequest:
+    # The OpenAI sampling fields of the same meaning, so both protocols share one set of checks.
+    fields = SamplingFields(model=body.model, stream=body.stream, max_tokens=body.max_tokens,
+                            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                            stop=body.stop_sequences, cache_salt=body.cache_salt, kv_retention=body.kv_retention)
+    checked = prompt(body, backend, model_names)
+    params = api.sampling_params(fields, len(checked.token_ids), backend.max_model_len, "messages")
+    return api.generate_request(f"msg_{uuid.uuid4().hex}", checked, params, fields, "chat")
+
+
+@dataclass(frozen=True)
+class MessagesFormat:
+    """A Messages response, and its stream as Anthropic's named events (no terminator)."""
+
+    id: str
+    model: str
+    terminator: ClassVar[bytes] = b""
+
+    @staticmethod
+    def _stop(out: OutputText) -> tuple[str, str | None]:
+        """stop_reason and stop_sequence."""
+        if out.finish_reason == "length":
+            return "max_tokens", None
+        if isinstance(out.stop_reason, str):
+            return "stop_sequence", out.stop_reason
+        return "end_turn", None
+
+    @staticmethod
+    def _usage(out: OutputText, num_output_tokens: int) -> dict:
+        return {"input_tokens": out.num_prompt_tokens, "output_tokens": num_output_tokens,
+                "cache_read_input_tokens": out.num_cached_tokens, "cache_creation_input_tokens": 0}
+
+    def _message(self, content: list[dict], stop: tuple[str | None, str | None], usage: dict) -> dict:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
+
+    def response(self, out: OutputText) -> dict:
+        text = [{"type": "text", "text": out.text}]
+        return self._message(text, self._stop(out), self._usage(out, out.num_output_tokens))
+
+    def start_events(self, out: OutputText) -> list[tuple[str | None, dict]]:
+        # Usage so far: the prompt's; output_tokens grows in message_delta.
+        message = self._message([], (None, None), self._usage(out, 0))
+        return [("message_start", {"type": "message_start", "message": message}),
+                ("content_block_start", {"type": "content_block_start", "index": 0,
+                                         "content_block": {"type": "text", "text": ""}}),
+                ("ping", {"type": "ping"})]
+
+    def text_event(self, text: str) -> tuple[str | None, dict]:
+        return "content_block_delta", {"type": "content_block_delta", "index": 0,
+                                       "delta": {"type": "text_delta", "text": text}}
+
+    def end_events(self, out: OutputText) -> list[tuple[str | None, dict]]:
+        stop_reason, stop_sequence = self._stop(out)
+        return [("content_block_stop", {"type": "content_block_stop", "index": 0}),
+                ("message_delta", {"type": "message_delta",
+                                   "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                   "usage": {"output_tokens": out.num_output_tokens}}),
+                ("message_stop", {"type": "message_stop"})]
+
+    def error_event(self, body: dict) -> tuple[str | None, dict]:
+        return "error", body
