@@ -169,20 +169,24 @@ class Cluster:
         self._seq += 1
         heapq.heappush(self._events, (at, kind, self._seq, target, version))
 
+    def _pick(self, policy: Policy, view: RequestView, instances: Sequence, role: str) -> str:
+        """The live policy's pick over the instances' snapshots (every simulated one is available)."""
+        pick = policy.pick(view, [i.view(self.clock.now) for i in instances])
+        if pick is None:
+            raise RuntimeError(f"{policy.name} picked no {role} instance (all are available)")
+        policy.on_pick(view, pick)
+        return pick.instance_id
+
     # ----- prefill ----------------------------------------------------------------------------
     def _route_prefill(self, record: RequestRecord) -> None:
-        request, now = record.request, self.clock.now
+        request = record.request
         record.num_hit_blocks = self.index.lookup(request.hash_ids)
         record.num_cached = request.cached_tokens(record.num_hit_blocks)
         record.prefill_s = self.costs.prefill_seconds(request.input_length, record.num_cached)
         view = RequestView(request.request_id, request.input_length, request.output_length,
                            record.block_hashes, record.num_cached)
-        pick = self.prefill_policy.pick(view, [p.view(now) for p in self.prefills])
-        if pick is None:
-            raise RuntimeError(f"{self.prefill_policy.name} picked no prefill instance (all are available)")
-        self.prefill_policy.on_pick(view, pick)
-        record.prefill_id = pick.instance_id
-        instance = self._prefill_by_id[pick.instance_id]
+        record.prefill_id = self._pick(self.prefill_policy, view, self.prefills, "prefill")
+        instance = self._prefill_by_id[record.prefill_id]
         instance.enqueue(Queued(request, record.num_cached, record.prefill_s))
         self._start_prefill(instance)
 
@@ -213,16 +217,12 @@ class Cluster:
 
     # ----- decode -----------------------------------------------------------------------------
     def _route_decode(self, record: RequestRecord) -> None:
-        request, now = record.request, self.clock.now
+        request = record.request
         view = RequestView(request.request_id, request.input_length, request.output_length,
                            record.block_hashes, request.input_length)
-        pick = self.decode_policy.pick(view, [d.view(now) for d in self.decodes])
-        if pick is None:
-            raise RuntimeError(f"{self.decode_policy.name} picked no decode instance (all are available)")
-        self.decode_policy.on_pick(view, pick)
-        record.decode_id = pick.instance_id
-        instance = self._decode_by_id[pick.instance_id]
-        for item in instance.join(request, now):
+        record.decode_id = self._pick(self.decode_policy, view, self.decodes, "decode")
+        instance = self._decode_by_id[record.decode_id]
+        for item in instance.join(request, self.clock.now):
             self._records[item.request.request_id].finish_s = instance.synced_at
         self._schedule_decode(instance)
 
