@@ -1,7 +1,7 @@
 """The router's HTTP front door: OpenAI- and Anthropic-compatible routes over a :class:`Backend`.
 
-One module per protocol (openai_api / openai_models, anthropic_api) turns its bodies into a
-GenerateRequest plus a format object; this module is the shared core. Life of a request here::
+One module per protocol (openai_api / openai_models, anthropic_api, responses_api) turns its bodies
+into a GenerateRequest plus a format object; this module is the shared core. Life of a request here::
 
     body (pydantic) -> checks, chat template, token ids (a worker thread) -> GenerateRequest, Format
         -> backend.generate() -> first chunk (errors before it are plain HTTP errors)
@@ -17,6 +17,7 @@ iterator is closed on every other exit too (done, error, stop string matched her
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -33,13 +34,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common import metrics
 from services.common.errors import EPDError
-from services.router import anthropic_api
+from services.router import anthropic_api, responses_api
 from services.router import openai_api as api
 from services.router.anthropic_api import CountTokensRequest, MessagesFormat, MessagesRequest
 from services.router.backend import Backend, GenerateRequest
 from services.router.errors import ErrorBody, describe_validation_errors, error_body_for, error_of
 from services.router.openai_models import (ChatCompletionRequest, ChatFormat, CompletionFormat,
                                            CompletionRequest)
+from services.router.responses_api import ResponsesRequest
 
 logger = logging.getLogger(__name__)
 
@@ -296,6 +298,10 @@ class Routes:
         timer = RequestTimer("/v1/messages", anthropic_api.error_body)
         return await self._serve(request, body, self._messages_request, timer)
 
+    async def responses(self, request: Request, body: ResponsesRequest) -> Response:
+        build = functools.partial(responses_api.build, backend=self.backend, model_names=self.model_names)
+        return await self._serve(request, body, build, RequestTimer("/v1/responses"))
+
     async def count_tokens(self, body: CountTokensRequest) -> Response:
         """Anthropic's ``/v1/messages/count_tokens``: the templated prompt's length, nothing generated."""
         try:
@@ -351,11 +357,12 @@ def metrics_text() -> Response:
 
 
 def create_app(backend: Backend, served_model_names: list[str] | None = None) -> FastAPI:
-    """The ASGI app over ``backend`` (see openai_api.py and anthropic_api.py for what it accepts)."""
+    """The ASGI app over ``backend`` (openai_api.py, responses_api.py, anthropic_api.py: what it accepts)."""
     app = FastAPI(title="epd router", summary="OpenAI- and Anthropic-compatible front door of the epd cluster")
     routes = Routes(backend, served_model_names)
     app.add_api_route("/v1/chat/completions", routes.chat, methods=["POST"], response_model=None)
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)
+    app.add_api_route("/v1/responses", routes.responses, methods=["POST"], response_model=None)
     app.add_api_route("/v1/messages", routes.messages, methods=["POST"], response_model=None)
     app.add_api_route("/v1/messages/count_tokens", routes.count_tokens, methods=["POST"], response_model=None)
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
