@@ -27,7 +27,7 @@ from services.common.tokenizer import Tokenizer
 @dataclass(frozen=True)
 class GenerateRequest:
     request_id: str
-    """Unique per request; the same id the client sees (``chatcmpl-<hex>`` / ``cmpl-<hex>``)."""
+    """Unique per request; the same id the client sees (``chatcmpl-``, ``cmpl-``, ``msg_`` or ``resp_`` and hex)."""
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     """``max_tokens`` is always set explicitly and fits the context with the prompt."""

@@ -88,6 +88,31 @@ def test_chat_stream_has_openai_shape_and_matches_non_stream(cluster):
     assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens
 
 
+def test_messages_and_responses_stream_what_they_answer_and_match_chat(cluster):
+    """The Anthropic and Responses protocols on the live cluster: same conversation, same tokens
+    as chat completions (greedy), and each stream's text equals its non-streamed text."""
+    import anthropic
+
+    messages = [{"role": "user", "content": "Name a river."}]
+    chat = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
+    expected = chat.chat.completions.create(model="tiny-chat0", messages=messages, max_tokens=16,
+                                            temperature=0).choices[0].message.content
+    claude = anthropic.Anthropic(base_url=cluster.url, api_key="unused")
+    message = claude.messages.create(model="tiny-chat0", messages=messages, max_tokens=16,
+                                     extra_body={"temperature": 0})
+    assert message.content[0].text == expected and message.stop_reason == "max_tokens"
+    with claude.messages.stream(model="tiny-chat0", messages=messages, max_tokens=16,
+                                extra_body={"temperature": 0}) as stream:
+        streamed = "".join(stream.text_stream)
+    assert streamed == expected
+    response = chat.responses.create(model="tiny-chat0", input=messages, max_output_tokens=16, temperature=0)
+    assert response.output_text == expected and response.status == "incomplete"
+    deltas = [e.delta for e in chat.responses.create(model="tiny-chat0", input=messages, max_output_tokens=16,
+                                                     temperature=0, stream=True)
+              if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == expected
+
+
 @pytest.mark.parametrize("body, message", [
     ('{"model": "tiny-chat0", "messages": [', "JSON"),
     ('{"model": "tiny-chat0"}', "messages"),
