@@ -29,7 +29,7 @@ from kvstore.transfer.descriptors import KVHandle
 from services.common import metrics
 from services.common.errors import UnavailableError
 from services.common.wire import LoadReport, RequestSpec
-from services.engine.engine import KVReservation
+from services.engine.seams import KVReservation
 from services.engine.serving import EngineInstance, mm_inputs
 from services.engine.store_connector import read_kv
 

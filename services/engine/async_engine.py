@@ -25,7 +25,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from services.common.sampling_params import SamplingParams
-from services.engine.engine import EngineStats, Handoff, LLMEngine
+from services.engine.engine import EngineStats, LLMEngine
+from services.engine.seams import Handoff
 from services.engine.outputs import RequestOutput
 from services.engine.sequence import MultiModalInput
 

@@ -28,48 +28,13 @@ from services.engine.models.loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
 from services.engine.outputs import OutputState, RequestOutput
 from services.engine.scheduler import OnlineCost, Scheduler
+from services.engine.seams import Handoff, KVBlock, KVExport, KVReservation
 from services.engine.sequence import (BlockId, FinishReason, MultiModalInput, RequestId, Sequence,
                                       SequenceStatus)
 
 logger = logging.getLogger(__name__)
 QUEUE_TIME = metrics.histogram("epd_engine_queue_time_seconds", "From a request's arrival in the engine to its "
                                "first scheduled step.", buckets=metrics.TTFT_BUCKETS_S)
-
-
-@dataclass
-class KVBlock:
-    """One full block of KV on its way between engines."""
-
-    block_hash: BlockHash
-    token_ids: tuple[int, ...]
-    data: torch.Tensor
-    """[num_layers, 2, block_size, kv_heads, head_dim]; ``data[l, 0]`` is layer l's K."""
-
-
-@dataclass
-class Handoff:
-    """A request detached after its first token(s), its prompt's KV blocks still held here.
-
-    ``block_ids`` hold the KV of the prompt (its last block may be partial). They stay allocated until :meth:`LLMEngine.release_handoff`.
-    """
-
-    request_id: RequestId
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    block_ids: list[BlockId]
-    num_cached_tokens: int
-
-
-@dataclass
-class KVReservation:
-    """Blocks reserved for a request whose prompt KV arrives from another engine.
-
-    ``block_ids`` cover the prompt in order; the first ``num_local_blocks`` already hold the
-    right KV (local prefix-cache hits), the rest must be filled before :meth:`LLMEngine.commit_kv`.
-    """
-
-    block_ids: list[BlockId]
-    num_local_blocks: int
 
 
 @dataclass(frozen=True)
@@ -85,18 +50,6 @@ class EngineStats:
     num_total_blocks: int
     queued_prefill_compute_s: float = 0.0
     """The queued prefill tokens priced by the fitted cost model (0 before it has one)."""
-
-
-@dataclass
-class KVExport:
-    """Full blocks of a prompt pinned in the exporting engine until :meth:`LLMEngine.release`."""
-
-    blocks: list[KVBlock]
-    block_ids: list[BlockId]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(b.token_ids) for b in self.blocks)
 
 
 class LLMEngine:

@@ -32,7 +32,7 @@ from kvstore.transfer.descriptors import KVHandle
 from kvstore.transfer.leases import LeaseTable
 from services.common.errors import UnavailableError
 from services.common.wire import LoadReport, RequestSpec
-from services.engine.engine import Handoff
+from services.engine.seams import Handoff
 from services.engine.serving import EngineInstance, mm_inputs
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ import pytest
 
 from services.engine import LLM, SamplingParams
 from services.engine.async_engine import AsyncEngine, EngineDeadError
-from services.engine.engine import Handoff
+from services.engine.seams import Handoff
 from tests.factories import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
