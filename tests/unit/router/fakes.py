@@ -8,6 +8,8 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import openai
+import pytest
 import uvicorn
 
 from services.common.tokenizer import Tokenizer
@@ -117,3 +119,13 @@ class ServerThread:
         self.thread.join(5)
         self.socket.close()
 
+
+
+def openai_error(call, *words: str, status=openai.BadRequestError) -> dict:
+    """Run ``call`` (an openai SDK call) expecting ``status``; its error body, whose message
+    must hold every one of ``words``."""
+    with pytest.raises(status) as info:
+        call()
+    message = info.value.body["message"]
+    assert all(word in message for word in words), message
+    return info.value.body

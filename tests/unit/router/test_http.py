@@ -11,6 +11,7 @@ import pytest
 
 from services.common.errors import PromptTooLongError
 from tests.unit.router.conftest import SCRIPT_TEXT
+from tests.unit.router.fakes import openai_error
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -112,14 +113,6 @@ def test_stop_token_id_ends_with_stop(client, backend, tokenizer):
     assert reply.usage.completion_tokens == 5
 
 
-def _bad_request(call, *words: str, status=openai.BadRequestError):
-    with pytest.raises(status) as info:
-        call()
-    message = info.value.body["message"]
-    assert all(word in message for word in words), message
-    return info.value.body
-
-
 def test_cache_salt_and_retention_reach_the_backend(client, backend):
     """vLLM's cache_salt and epd's kv_retention; the class defaults from the protocol."""
     client.chat.completions.create(model="test-model", messages=MESSAGES, max_tokens=2)
@@ -129,28 +122,28 @@ def test_cache_salt_and_retention_reach_the_backend(client, backend):
     got = [(r.cache_salt, r.request_class) for r in backend.requests]
     assert got == [("", "chat"), ("", "agent"), ("tenant-a", "agent")]
     chat = client.chat.completions.create
-    _bad_request(lambda: chat(model="test-model", messages=MESSAGES, extra_body={"kv_retention": "forever"}),
+    openai_error(lambda: chat(model="test-model", messages=MESSAGES, extra_body={"kv_retention": "forever"}),
                  "kv_retention")
-    _bad_request(lambda: chat(model="test-model", messages=MESSAGES, extra_body={"cache_salt": ""}), "cache_salt")
+    openai_error(lambda: chat(model="test-model", messages=MESSAGES, extra_body={"cache_salt": ""}), "cache_salt")
     assert len(backend.requests) == 3
 
 
 def test_bad_input_is_400(client, backend):
     chat = client.chat.completions.create
-    body = _bad_request(lambda: chat(model="test-model", messages=[{"role": "robot", "content": "x"}]), "'robot'")
+    body = openai_error(lambda: chat(model="test-model", messages=[{"role": "robot", "content": "x"}]), "'robot'")
     assert body["type"] == "invalid_request_error" and body["param"] == "messages[0].role"
-    _bad_request(lambda: chat(model="test-model", messages=MESSAGES, max_tokens=0), "max_tokens=0")
-    _bad_request(lambda: chat(model="test-model", messages=MESSAGES, max_tokens=5000), "5000", "2048")
-    _bad_request(lambda: chat(model="test-model", messages=[{"role": "user", "content": "hi " * 3000}]),
+    openai_error(lambda: chat(model="test-model", messages=MESSAGES, max_tokens=0), "max_tokens=0")
+    openai_error(lambda: chat(model="test-model", messages=MESSAGES, max_tokens=5000), "5000", "2048")
+    openai_error(lambda: chat(model="test-model", messages=[{"role": "user", "content": "hi " * 3000}]),
                  "the prompt is", "2048")
-    _bad_request(lambda: chat(model="test-model", messages=MESSAGES, n=2), "not supported yet")
-    _bad_request(lambda: chat(model="test-model", messages=MESSAGES, logprobs=True), "not supported yet")
-    _bad_request(lambda: chat(model="test-model", messages=MESSAGES, temperature=-1), "temperature")
-    _bad_request(lambda: chat(model="test-model", messages=MESSAGES, extra_body={"top_p": "x"}), "top_p")
-    _bad_request(lambda: chat(model="test-model", messages=[{"role": "user", "content": [
+    openai_error(lambda: chat(model="test-model", messages=MESSAGES, n=2), "not supported yet")
+    openai_error(lambda: chat(model="test-model", messages=MESSAGES, logprobs=True), "not supported yet")
+    openai_error(lambda: chat(model="test-model", messages=MESSAGES, temperature=-1), "temperature")
+    openai_error(lambda: chat(model="test-model", messages=MESSAGES, extra_body={"top_p": "x"}), "top_p")
+    openai_error(lambda: chat(model="test-model", messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), "takes no images")
-    _bad_request(lambda: client.completions.create(model="test-model", prompt=["a", "b"]), "not supported yet")
-    body = _bad_request(lambda: chat(model="gpt-9", messages=MESSAGES), "gpt-9", status=openai.NotFoundError)
+    openai_error(lambda: client.completions.create(model="test-model", prompt=["a", "b"]), "not supported yet")
+    body = openai_error(lambda: chat(model="gpt-9", messages=MESSAGES), "gpt-9", status=openai.NotFoundError)
     assert body["type"] == "not_found_error" and body["code"] == "model_not_found"
     assert backend.requests == []
 
@@ -177,7 +170,7 @@ def test_backend_failures(make_backend, serve):
             client.chat.completions.create(model="test-model", messages=MESSAGES, stream=True)
         assert info.value.status_code == 503 and "aborted" in info.value.body["message"]
     with client_for(error=PromptTooLongError("too long for the KV pool")) as client:
-        _bad_request(lambda: client.chat.completions.create(model="test-model", messages=MESSAGES), "KV pool")
+        openai_error(lambda: client.chat.completions.create(model="test-model", messages=MESSAGES), "KV pool")
     with client_for(error=RuntimeError("boom")) as client:
         with pytest.raises(openai.InternalServerError) as info:
             client.chat.completions.create(model="test-model", messages=MESSAGES)

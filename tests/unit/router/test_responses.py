@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from tests.unit.router.conftest import SCRIPT_TEXT
+from tests.unit.router.fakes import openai_error
 
 QUESTION = "What is the capital of France?"
 INSTRUCTIONS = "You answer in one sentence."
@@ -122,14 +123,6 @@ def test_extensions_reach_the_backend(client, backend):
     assert (request.cache_salt, request.request_class) == ("tenant-a", "agent")
 
 
-def _bad_request(call, *words: str, status=openai.BadRequestError) -> dict:
-    with pytest.raises(status) as info:
-        call()
-    message = info.value.body["message"]
-    assert all(word in message for word in words), message
-    return info.value.body
-
-
 def test_unsupported_and_bad_fields_are_400(client, backend):
     create = client.responses.create
     for kwargs, field in [
@@ -139,20 +132,20 @@ def test_unsupported_and_bad_fields_are_400(client, backend):
         (dict(reasoning={"effort": "high"}), "reasoning"),
         (dict(extra_body={"n": 2}), "n"),
     ]:
-        body = _bad_request(lambda: create(model="test-model", input=QUESTION, **kwargs), "not supported yet")
+        body = openai_error(lambda: create(model="test-model", input=QUESTION, **kwargs), "not supported yet")
         assert body["param"] == field and body["type"] == "invalid_request_error"
     image = {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}
-    body = _bad_request(lambda: create(model="test-model", input=[image]), "'input_image'", "not supported yet")
+    body = openai_error(lambda: create(model="test-model", input=[image]), "'input_image'", "not supported yet")
     assert body["param"] == "input[0].content[0]"
-    _bad_request(lambda: create(model="test-model", input=[{"type": "function_call_output", "call_id": "c",
+    openai_error(lambda: create(model="test-model", input=[{"type": "function_call_output", "call_id": "c",
                                                             "output": "x"}]), "'function_call_output'")
-    _bad_request(lambda: create(model="test-model", input=[{"role": "robot", "content": "x"}]), "'robot'")
-    _bad_request(lambda: create(model="test-model", input=[]), "input must not be empty")
-    _bad_request(lambda: create(model="test-model", input=QUESTION, max_output_tokens=0), "max_output_tokens")
-    body = _bad_request(lambda: create(model="test-model", input=QUESTION, max_output_tokens=5000),
+    openai_error(lambda: create(model="test-model", input=[{"role": "robot", "content": "x"}]), "'robot'")
+    openai_error(lambda: create(model="test-model", input=[]), "input must not be empty")
+    openai_error(lambda: create(model="test-model", input=QUESTION, max_output_tokens=0), "max_output_tokens")
+    body = openai_error(lambda: create(model="test-model", input=QUESTION, max_output_tokens=5000),
                         "max_output_tokens=5000", "2048")
     assert (body["param"], body["code"]) == ("max_output_tokens", "context_length_exceeded")
-    body = _bad_request(lambda: create(model="gpt-9", input=QUESTION), "gpt-9", status=openai.NotFoundError)
+    body = openai_error(lambda: create(model="gpt-9", input=QUESTION), "gpt-9", status=openai.NotFoundError)
     assert body["type"] == "not_found_error" and body["code"] == "model_not_found"
     assert backend.requests == []
 
