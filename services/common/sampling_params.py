@@ -7,9 +7,36 @@ that names the field before the request reaches any engine.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.common.errors import InvalidRequestError
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match. ``spec`` by kind:
+
+    * ``json_schema``: a JSON Schema, as JSON text;
+    * ``json_object``: any JSON object (``spec`` is empty);
+    * ``regex``: a regular expression the whole output matches;
+    * ``grammar``: an EBNF grammar (the GBNF dialect of llama.cpp / xgrammar, root rule ``root``);
+    * ``structural_tag``: JSON text ``{"triggers": [...], "tags": [{"begin", "schema", "end"}]}``:
+      free text, except that after a trigger the output must be one of the tags, whose body
+      matches its JSON schema (tool calls with ``tool_choice: auto``).
+    """
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(f"structured output kind {self.kind!r} is invalid: use one of "
+                                      f"{list(STRUCTURED_KINDS)}")
+        if self.kind != "json_object" and not self.spec:
+            raise InvalidRequestError(f"structured output of kind {self.kind!r} needs a spec")
 
 
 @dataclass(frozen=True)
@@ -44,8 +71,8 @@ class SamplingParams:
     """Return the sampled token's logprob and this many top alternatives per step."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the returned text."""
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
-    """Reserved for later features (structured output); ignored by the engine today."""
+    structured: StructuredOutput | None = None
+    """Constrain the output to a grammar: decode masks every token the grammar does not allow."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,3 +120,13 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's logprob (of the raw logits, before any sampling transform)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+    """The params.logprobs most likely (token_id, logprob) pairs, most likely first."""

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvstore.transfer.descriptors import BlockDesc, Endpoint, KVHandle, RegionDesc
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams, StructuredOutput, TokenLogprobs
 from services.pb import common_pb2, kvstore_pb2
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -91,6 +91,8 @@ def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.structured is not None:
+        msg.structured.kind, msg.structured.spec = params.structured.kind, params.structured.spec
     return msg
 
 
@@ -98,9 +100,20 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
         seed=msg.seed if msg.HasField("seed") else None,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        structured=(StructuredOutput(msg.structured.kind, msg.structured.spec)
+                    if msg.HasField("structured") else None),
         stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         skip_special_tokens=msg.skip_special_tokens,
         **{name: getattr(msg, name) for name in _FLOAT_FIELDS + _INT_FIELDS})
+
+
+def logprobs_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
+                                    top_token_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top])
+
+
+def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(msg.token_id, msg.logprob, tuple(zip(msg.top_token_ids, msg.top_logprobs)))
 
 
 def tensor_to_proto(t: TensorBytes) -> common_pb2.Tensor:

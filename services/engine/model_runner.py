@@ -14,7 +14,8 @@ import torch
 from services.engine.attention import build_metadata
 from services.engine.models.config import ModelConfig
 from services.engine.models.llama import LlamaForCausalLM, rope_inv_freq
-from services.engine.sampler import Sampler, SamplingRow, TokenLogprobs
+from services.common.sampling_params import TokenLogprobs
+from services.engine.sampler import Sampler, SamplingRow
 from services.engine.scheduler import SchedulerOutput
 from services.engine.sequence import BlockId, RequestId
 

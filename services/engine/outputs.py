@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.sampling_params import TokenLogprobs
 from services.common.text import TextState
 from services.common.tokenizer import Tokenizer
-from services.engine.sampler import TokenLogprobs
 from services.engine.sequence import FinishReason, RequestId, Sequence
 
 

@@ -26,7 +26,7 @@ from itertools import chain
 
 import torch
 
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams, TokenLogprobs
 
 # For rows without top-p: an exclusive cumsum can round up to 1.0 before the tail and would drop
 # tail tokens if compared against exactly 1.0.
@@ -42,14 +42,6 @@ class SamplingRow:
     """Set iff params.seed is not None; created once per request and kept across steps."""
     suppressed_token_ids: tuple[int, ...] = ()
     """Token ids that must not be sampled this step (e.g. EOS before min_tokens)."""
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-    """The params.logprobs most likely (token_id, logprob) pairs, most likely first."""
 
 
 @dataclass

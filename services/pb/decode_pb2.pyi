@@ -23,15 +23,17 @@ class DecodeRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[_common_pb2.RequestSpec, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[_kvstore_pb2.KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_address: _Optional[str] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "stop_reason", "num_cached_tokens", "kv_recomputed")
+    __slots__ = ("token_ids", "finish_reason", "stop_reason", "num_cached_tokens", "kv_recomputed", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     stop_reason: _common_pb2.StopReason
     num_cached_tokens: int
     kv_recomputed: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., kv_recomputed: _Optional[bool] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., kv_recomputed: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...

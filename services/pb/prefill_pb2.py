@@ -26,7 +26,7 @@ from services.pb import common_pb2 as common__pb2
 from services.pb import kvstore_pb2 as kvstore__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rprefill.proto\x12\x06\x65pd.v1\x1a\x0c\x63ommon.proto\x1a\rkvstore.proto\"3\n\x0ePrefillRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.epd.v1.RequestSpec\"\xa2\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\x0bstop_reason\x18\x03 \x01(\x0b\x32\x12.epd.v1.StopReason\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x1c\n\x02kv\x18\x05 \x01(\x0b\x32\x10.epd.v1.KVHandle\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xaf\x02\n\x07Prefill\x12:\n\x07Prefill\x12\x16.epd.v1.PrefillRequest\x1a\x17.epd.v1.PrefillResponse\x12:\n\x07Release\x12\x16.epd.v1.ReleaseRequest\x1a\x17.epd.v1.ReleaseResponse\x12;\n\x0cGetModelInfo\x12\x18.epd.v1.ModelInfoRequest\x1a\x11.epd.v1.ModelInfo\x12\x32\n\x07GetLoad\x12\x13.epd.v1.LoadRequest\x1a\x12.epd.v1.LoadReport\x12;\n\tWatchLoad\x12\x18.epd.v1.WatchLoadRequest\x1a\x12.epd.v1.LoadReport0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rprefill.proto\x12\x06\x65pd.v1\x1a\x0c\x63ommon.proto\x1a\rkvstore.proto\"3\n\x0ePrefillRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.epd.v1.RequestSpec\"\xd7\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\x0bstop_reason\x18\x03 \x01(\x0b\x32\x12.epd.v1.StopReason\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x1c\n\x02kv\x18\x05 \x01(\x0b\x32\x10.epd.v1.KVHandle\x12\x33\n\x14\x66irst_token_logprobs\x18\x06 \x01(\x0b\x32\x15.epd.v1.TokenLogprobs\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xaf\x02\n\x07Prefill\x12:\n\x07Prefill\x12\x16.epd.v1.PrefillRequest\x1a\x17.epd.v1.PrefillResponse\x12:\n\x07Release\x12\x16.epd.v1.ReleaseRequest\x1a\x17.epd.v1.ReleaseResponse\x12;\n\x0cGetModelInfo\x12\x18.epd.v1.ModelInfoRequest\x1a\x11.epd.v1.ModelInfo\x12\x32\n\x07GetLoad\x12\x13.epd.v1.LoadRequest\x1a\x12.epd.v1.LoadReport\x12;\n\tWatchLoad\x12\x18.epd.v1.WatchLoadRequest\x1a\x12.epd.v1.LoadReport0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,11 +36,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=54
   _globals['_PREFILLREQUEST']._serialized_end=105
   _globals['_PREFILLRESPONSE']._serialized_start=108
-  _globals['_PREFILLRESPONSE']._serialized_end=270
-  _globals['_RELEASEREQUEST']._serialized_start=272
-  _globals['_RELEASEREQUEST']._serialized_end=306
-  _globals['_RELEASERESPONSE']._serialized_start=308
-  _globals['_RELEASERESPONSE']._serialized_end=343
-  _globals['_PREFILL']._serialized_start=346
-  _globals['_PREFILL']._serialized_end=649
+  _globals['_PREFILLRESPONSE']._serialized_end=323
+  _globals['_RELEASEREQUEST']._serialized_start=325
+  _globals['_RELEASEREQUEST']._serialized_end=359
+  _globals['_RELEASERESPONSE']._serialized_start=361
+  _globals['_RELEASERESPONSE']._serialized_end=396
+  _globals['_PREFILL']._serialized_start=399
+  _globals['_PREFILL']._serialized_end=702
 # @@protoc_insertion_point(module_scope)
