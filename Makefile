@@ -33,6 +33,7 @@ bench: setup
 	$(BIN)/python benchmarks/trace_hits.py
 	$(BIN)/python benchmarks/store_io.py
 	$(BIN)/python benchmarks/prefix_cache.py
+	$(BIN)/python benchmarks/structured_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

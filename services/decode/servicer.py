@@ -7,8 +7,8 @@ import grpc.aio
 
 from services.common.server import MAX_MESSAGE_BYTES
 from services.common.server import watch_load
-from services.common.wire import (kv_handle_from_proto, load_to_proto, model_info_to_proto, spec_from_proto,
-                                  stop_reason_to_proto)
+from services.common.wire import (kv_handle_from_proto, load_to_proto, logprobs_to_proto, model_info_to_proto,
+                                  spec_from_proto, stop_reason_to_proto)
 from services.decode.worker import DecodeInput, DecodeWorker
 from services.pb import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -27,7 +27,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 yield decode_pb2.TokenChunk(
                     token_ids=list(chunk.token_ids), finish_reason=chunk.finish_reason or "",
                     stop_reason=stop_reason_to_proto(chunk.stop_reason),
-                    num_cached_tokens=chunk.num_cached_tokens, kv_recomputed=chunk.kv_recomputed)
+                    num_cached_tokens=chunk.num_cached_tokens, kv_recomputed=chunk.kv_recomputed,
+                    logprobs=[logprobs_to_proto(lp) for lp in chunk.logprobs])
         finally:
             await chunks.aclose()
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from kvstore.transfer.descriptors import KVHandle
 from services.common import metrics
 from services.common.errors import UnavailableError
+from services.common.sampling_params import TokenLogprobs
 from services.common.wire import LoadReport, RequestSpec
 from services.engine.seams import KVReservation
 from services.engine.serving import EngineInstance, mm_inputs
@@ -58,6 +59,8 @@ class TokenChunk:
     stop_reason: str | int | None
     num_cached_tokens: int
     kv_recomputed: bool
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """One per token, when the request asked for logprobs."""
 
 
 ReleaseLease = Callable[[str, str], Awaitable[None]]
@@ -93,15 +96,17 @@ class DecodeWorker:
             else:
                 self.num_recomputed += 1
                 await engine.call(engine.engine.recompute_kv, rid)
-            num_sent = len(req.output_token_ids)
+            num_sent = num_handed = len(req.output_token_ids)
             async for out in stream:
                 new = tuple(out.token_ids[num_sent:])
+                # This engine sampled (and has logprobs for) the tokens after the handed-over ones.
+                logprobs = tuple((out.logprobs or [])[num_sent - num_handed:])
                 num_sent = len(out.token_ids)
                 if out.finished and self.instance.store is not None:
                     self.instance.store.push_soon([*spec.prompt_token_ids, *out.token_ids], images,
                                                   spec.cache_salt, spec.request_class)
                 yield TokenChunk(new, out.finish_reason, out.stop_reason, req.num_cached_tokens,
-                                 not is_pulled)
+                                 not is_pulled, logprobs)
         finally:
             await stream.aclose()  # aborts an unfinished request; a held one frees its blocks
 

@@ -94,12 +94,18 @@ class AsyncEngine:
 
         With ``detach_after_first_token`` the request leaves the engine right after its first
         token unless that token finished it, and the stream's last item is its :class:`Handoff`.
+        A structured-output grammar is compiled first, in a worker thread: the engine keeps
+        stepping the other requests meanwhile, and this one joins it ready to run.
         """
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         try:
+            grammar = None
+            if params.structured is not None:
+                self._check_alive()
+                grammar = await asyncio.to_thread(self.engine.compile_grammar, params.structured)
             await self.call(self._add, prompt, params, request_id, output_token_ids, hold_for_kv,
-                            detach_after_first_token, mm_inputs, cache_salt)
+                            detach_after_first_token, mm_inputs, cache_salt, grammar)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -111,9 +117,9 @@ class AsyncEngine:
 
     # ----- the engine thread ---------------------------------------------------------------
     def _add(self, prompt, params, request_id, output_token_ids, hold_for_kv, detach, mm_inputs,
-             cache_salt) -> None:
+             cache_salt, grammar) -> None:
         self.engine.add_request(prompt, params, request_id, output_token_ids, hold_for_kv, mm_inputs,
-                                cache_salt)
+                                cache_salt, grammar)
         if detach:
             self._detach_after_first_token.add(request_id)
 

@@ -21,7 +21,7 @@ from kvstore.hashing import BlockHash, block_hashes, root_hash
 from services.common import metrics
 from services.common.cost_model import PrefillCost
 from services.common.errors import InvalidRequestError, PromptTooLongError
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams, StructuredOutput
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.models.loader import LoadedModel, load_model
@@ -29,6 +29,7 @@ from services.engine.model_runner import ModelRunner, kv_block_bytes, resolve_de
 from services.engine.outputs import OutputState, RequestOutput
 from services.engine.scheduler import OnlineCost, Scheduler
 from services.engine.seams import Handoff, KVBlock, KVExport, KVReservation
+from services.engine.structured import CompiledGrammar, GrammarCompiler
 from services.engine.sequence import (BlockId, FinishReason, MultiModalInput, RequestId, Sequence,
                                       SequenceStatus)
 
@@ -78,6 +79,7 @@ class LLMEngine:
         self.kv_block_bytes = kv_block_bytes(cfg, bs, dtype)
         kv_buffer = kv_allocator(num_blocks * self.kv_block_bytes) if kv_allocator else None
         self.runner = ModelRunner(cfg, loaded.weights, num_blocks, bs, device, dtype, eos, kv_buffer)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, cfg.vocab_size, eos) if self.tokenizer else None
         self._states: dict[RequestId, OutputState] = {}
         self.last_step_num_tokens = 0
         self._num_handoff_blocks = 0
@@ -119,11 +121,12 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None, output_token_ids: Sequence_[int] = (),
                     hold_for_kv: bool = False, mm_inputs: Sequence_[MultiModalInput] = (),
-                    cache_salt: str = "") -> RequestId:
+                    cache_salt: str = "", grammar: CompiledGrammar | None = None) -> RequestId:
         """Queue a request. ``output_token_ids``: tokens another engine already generated for
         it (this engine continues after them). ``hold_for_kv``: its prompt KV will arrive from
         another engine (:meth:`reserve_kv`, :meth:`commit_kv`), so it is not scheduled yet.
-        ``cache_salt``: only requests with the same salt share cached KV."""
+        ``cache_salt``: only requests with the same salt share cached KV. ``grammar``:
+        ``params.structured`` compiled (:meth:`compile_grammar`); None: compiled here, now."""
         token_ids = self.validate(prompt, params)
         rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
         if rid in self._states:
@@ -135,7 +138,13 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"{len(outputs)} output tokens already exist: nothing is left to generate")
         self._check_mm_inputs(mm_inputs, len(token_ids))
+        if params.structured is None:
+            grammar = None
+        else:
+            grammar = grammar or self.compile_grammar(params.structured)
+            grammar.check_prefix(outputs)
         seq = Sequence(rid, token_ids, params, mm_inputs=tuple(mm_inputs), root=self.root_for(cache_salt))
+        seq.grammar = grammar
         state = OutputState.create(seq, prompt if isinstance(prompt, str) else None, self.tokenizer)
         for token_id in outputs:
             seq.token_ids.append(token_id)
@@ -146,6 +155,13 @@ class LLMEngine:
         else:
             self.scheduler.add(seq)
         return rid
+
+    def compile_grammar(self, structured: StructuredOutput) -> CompiledGrammar:
+        """``structured`` compiled for this engine's tokenizer (cached; thread-safe, so the async
+        engine runs it off the engine thread), or InvalidRequestError saying what is wrong."""
+        if self.grammar_compiler is None:
+            raise InvalidRequestError("structured output needs a tokenizer, and this model has none")
+        return self.grammar_compiler.compile(structured)
 
     def root_for(self, cache_salt: str) -> BlockHash:
         return self.root if not cache_salt else root_hash(**self._root_keys, salt=cache_salt)
@@ -172,6 +188,7 @@ class LLMEngine:
             held.finish_reason = FinishReason.ABORT
         else:
             self.scheduler.finish(state.seq, FinishReason.ABORT)
+        self._flush_finished()
 
     def stats(self) -> EngineStats:
         sched, bm = self.scheduler, self.block_manager
@@ -228,7 +245,14 @@ class LLMEngine:
                 state.finish()
                 del self._states[seq.request_id]
             outputs.append(state.to_output())
+        self._flush_finished()
         return outputs
+
+    def _flush_finished(self) -> None:
+        """With nothing left to run no step follows: hand the runner the finished requests now,
+        so their per-request state (seeded generators, grammar matchers) goes with them."""
+        if not self.scheduler.has_unfinished and (out := self.scheduler.schedule()) is not None:
+            self.runner.execute(out)
 
     @property
     def prefill_cost(self) -> PrefillCost | None:
@@ -264,8 +288,9 @@ class LLMEngine:
         assert seq.num_computed_tokens == seq.num_prompt_tokens and seq.num_output_tokens >= 1, seq
         block_ids = self.scheduler.detach(seq)
         self._num_handoff_blocks += len(block_ids)
+        self._flush_finished()
         return Handoff(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, block_ids,
-                       seq.num_cached_tokens)
+                       seq.num_cached_tokens, state.to_output().logprobs)
 
     def release_handoff(self, handoff: Handoff) -> None:
         self._num_handoff_blocks -= len(handoff.block_ids)

@@ -35,7 +35,10 @@ class LLM:
         params_list = self._as_params_list(params, len(prompt_list))
         for prompt, p in zip(prompt_list, params_list):
             self.engine.validate(prompt, p)
-        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompt_list, params_list)]
+        # Grammars too, so a bad one is rejected before any request is queued.
+        grammars = [None if p.structured is None else self.engine.compile_grammar(p.structured) for p in params_list]
+        ids = [self.engine.add_request(prompt, p, grammar=grammar)
+               for prompt, p, grammar in zip(prompt_list, params_list, grammars)]
         finished: dict[str, RequestOutput] = {}
         try:
             while self.engine.has_unfinished_requests():

@@ -1,8 +1,8 @@
 """Runs one scheduled step on the model: the only engine part that touches torch tensors.
 
 It receives a :class:`SchedulerOutput` and nothing else (STYLE rule 3), owns the model, the
-KV block pool and per-request sampler state (seeded generators), and returns the sampled
-tokens. It knows nothing of queues or of how blocks were chosen.
+KV block pool and per-request sampler state (seeded generators, grammar matchers), and returns
+the sampled tokens. It knows nothing of queues or of how blocks were chosen.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.attention import build_metadata
+from services.engine.grammar import GrammarMatchers
 from services.engine.models.config import ModelConfig
 from services.engine.models.llama import LlamaForCausalLM, rope_inv_freq
 from services.common.sampling_params import TokenLogprobs
@@ -69,27 +70,38 @@ class ModelRunner:
         self._gather_buffer = self.kv_cache.new_empty((2, 0) + tuple(self.kv_cache.shape[3:]))
         self.sampler = Sampler()
         self._generators: dict[RequestId, torch.Generator] = {}
+        self.grammars = GrammarMatchers(cfg.vocab_size)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in out.finished_request_ids:
             self._generators.pop(request_id, None)
+            self.grammars.drop(request_id)
         if not out.chunks:
             return ModelRunnerOutput({}, {})
         hidden = self._forward([(c.start_position, c.token_ids, c.block_table) for c in out.chunks],
                                [c.mm_embeds for c in out.chunks])
-        last_rows, rows, ids = [], [], []
+        last_rows, rows, ids, constrained = [], [], [], []
         end = 0
         for chunk in out.chunks:
             end += len(chunk.token_ids)
             if chunk.samples:
                 last_rows.append(end - 1)
-                rows.append(self._sampling_row(chunk))
+                is_grammar_done = False
+                if chunk.grammar is not None:
+                    matcher = self.grammars.matcher(chunk.request_id, chunk.grammar, chunk.output_token_ids)
+                    constrained.append((len(rows), matcher))
+                    is_grammar_done = matcher.is_stopped()
+                rows.append(self._sampling_row(chunk, is_grammar_done))
                 ids.append(chunk.request_id)
         if not rows:
             return ModelRunnerOutput({}, {})
+        # On a GPU the forward is still running: the masks are computed meanwhile.
+        bitmask = self.grammars.bitmask(constrained)
         logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
-        result = self.sampler(logits, rows)
+        result = self.sampler(logits, rows, bitmask)
+        if constrained:
+            self.grammars.accept(ids, result.token_ids)
         return ModelRunnerOutput(dict(zip(ids, result.token_ids)), dict(zip(ids, result.logprobs)))
 
     def _forward(self, chunks: list[tuple[int, list[int], list[BlockId]]],
@@ -117,7 +129,7 @@ class ModelRunner:
             self._gather_buffer = self.kv_cache.new_empty((2, size) + tuple(self.kv_cache.shape[3:]))
         return self._gather_buffer
 
-    def _sampling_row(self, chunk) -> SamplingRow:
+    def _sampling_row(self, chunk, is_grammar_done: bool = False) -> SamplingRow:
         params = chunk.params
         generator = None
         if params.seed is not None and not params.is_greedy:
@@ -130,7 +142,8 @@ class ModelRunner:
                     torch.rand(1, generator=generator, device=generator.device)
                 self._generators[chunk.request_id] = generator
         suppressed: tuple[int, ...] = ()
-        if len(chunk.output_token_ids) < params.min_tokens:
+        # A complete grammar allows only EOS: it wins over min_tokens (nothing else could be sampled).
+        if len(chunk.output_token_ids) < params.min_tokens and not is_grammar_done:
             suppressed = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
         return SamplingRow(params, chunk.prompt_token_ids, chunk.output_token_ids, generator, suppressed)
 

@@ -5,6 +5,9 @@ Every stage runs only over the rows that need it, and is skipped when none does:
     raw logits ──────────────────────────────────────────► logprobs (log_softmax of raw logits)
         │
         ▼
+    grammar bitmask (constrained rows) ─► disallowed ids → -inf
+        │
+        ▼
     penalties (repetition, frequency, presence) ─► suppressed ids → -inf
         │
         ├─ greedy rows ─► argmax
@@ -23,10 +26,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.common.sampling_params import SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    from services.engine.grammar import TokenBitmask
 
 # For rows without top-p: an exclusive cumsum can round up to 1.0 before the tail and would drop
 # tail tokens if compared against exactly 1.0.
@@ -52,12 +59,16 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 bitmask: TokenBitmask | None = None) -> SamplerOutput:
+        """``bitmask``: the tokens the grammar allows in the constrained rows (None: no row is)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         device = logits.device
-        edits = any(_has_penalty(r.params) or r.suppressed_token_ids for r in rows)
+        edits = bitmask is not None or any(_has_penalty(r.params) or r.suppressed_token_ids for r in rows)
         # Copy only when editing in place: the raw logits are still needed for logprobs.
         x = logits.to(torch.float32, copy=edits)
+        if bitmask is not None:
+            bitmask.apply_(x)  # first: penalties, greedy and sampling see only what the grammar allows
         _apply_penalties(x, rows)
         _apply_suppression(x, rows)
 

@@ -49,6 +49,8 @@ class ScheduledChunk:
     output_token_ids: list[int]
     mm_embeds: list[tuple[int, Any]] = field(default_factory=list)
     """(offset in token_ids, embedding rows) that replace those tokens' input embeddings."""
+    grammar: Any = None
+    """The sequence's compiled structured-output grammar, if any (see Sequence.grammar)."""
 
 
 @dataclass(frozen=True)
@@ -242,6 +244,7 @@ class Scheduler:
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
             mm_embeds=seq.mm_slices(start, num_new) if seq.mm_inputs else [],
+            grammar=seq.grammar,
         )
 
     def _preempt(self, seq: Sequence) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.hashing import BlockHash
+from services.common.sampling_params import TokenLogprobs
 from services.engine.sequence import BlockId, RequestId
 
 
@@ -34,6 +35,8 @@ class Handoff:
     output_token_ids: list[int]
     block_ids: list[BlockId]
     num_cached_tokens: int
+    logprobs: list[TokenLogprobs] | None = None
+    """Of ``output_token_ids``, when the request asked for logprobs."""
 
 
 @dataclass

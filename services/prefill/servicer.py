@@ -4,8 +4,8 @@ from __future__ import annotations
 
 
 from services.common.server import watch_load
-from services.common.wire import (kv_handle_to_proto, load_to_proto, model_info_to_proto, spec_from_proto,
-                                  stop_reason_to_proto)
+from services.common.wire import (kv_handle_to_proto, load_to_proto, logprobs_to_proto, model_info_to_proto,
+                                  spec_from_proto, stop_reason_to_proto)
 from services.pb import prefill_pb2, prefill_pb2_grpc
 from services.prefill.worker import PrefillWorker
 
@@ -20,6 +20,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             stop_reason=stop_reason_to_proto(result.stop_reason), num_cached_tokens=result.num_cached_tokens)
         if result.kv is not None:
             reply.kv.CopyFrom(kv_handle_to_proto(result.kv))
+        if result.first_token_logprobs is not None:
+            reply.first_token_logprobs.CopyFrom(logprobs_to_proto(result.first_token_logprobs))
         return reply
 
     async def Release(self, request, context):

@@ -25,12 +25,14 @@ server): nothing here runs per block while it reads, and the engine keeps steppi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 from kvstore.transfer.descriptors import KVHandle
 from kvstore.transfer.leases import LeaseTable
 from services.common.errors import UnavailableError
+from services.common.sampling_params import TokenLogprobs
 from services.common.wire import LoadReport, RequestSpec
 from services.engine.seams import Handoff
 from services.engine.serving import EngineInstance, mm_inputs
@@ -46,6 +48,7 @@ class PrefillResult:
     stop_reason: str | int | None
     num_cached_tokens: int
     kv: KVHandle | None
+    first_token_logprobs: TokenLogprobs | None = None
 
 
 class PrefillWorker:
@@ -73,8 +76,8 @@ class PrefillWorker:
             store.push_soon(prompt, images, spec.cache_salt, spec.request_class)
         if not isinstance(last, Handoff):
             return PrefillResult(last.token_ids[0], last.finish_reason, last.stop_reason,
-                                 last.num_cached_tokens, None)
-        return await self._export(last)
+                                 last.num_cached_tokens, None, (last.logprobs or [None])[0])
+        return dataclasses.replace(await self._export(last), first_token_logprobs=(last.logprobs or [None])[0])
 
     async def _export(self, handoff: Handoff) -> PrefillResult:
         engine = self.instance.engine

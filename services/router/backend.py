@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams, TokenLogprobs
 from services.common.tokenizer import Tokenizer
 
 
@@ -53,6 +53,8 @@ class GenerateChunk:
     num_prompt_tokens: int
     num_cached_tokens: int
     """Prompt tokens served from the KV cache instead of being computed."""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """One per token of ``token_ids`` when the request asked for logprobs."""
 
 
 class Backend(Protocol):

@@ -25,7 +25,7 @@ from services.common.errors import InvalidRequestError
 from services.common.grpc_errors import error_from_rpc
 from services.common.retry import is_retryable, retry
 from services.common.tokenizer import Tokenizer
-from services.common.wire import (ImageInput, ModelInfo, RequestSpec,
+from services.common.wire import (ImageInput, ModelInfo, RequestSpec, logprobs_from_proto,
                                   model_info_from_proto, spec_to_proto, stop_reason_from_proto,
                                   tensor_from_proto)
 from services.pb import common_pb2, decode_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc
@@ -107,8 +107,10 @@ class ClusterBackend:
         handed_over = False
         try:
             finish = first.finish_reason or None
+            first_logprobs = ((logprobs_from_proto(first.first_token_logprobs),)
+                              if first.HasField("first_token_logprobs") else ())
             yield GenerateChunk((first.first_token_id,), finish, stop_reason_from_proto(first.stop_reason),
-                                num_prompt, first.num_cached_tokens)
+                                num_prompt, first.num_cached_tokens, first_logprobs)
             if finish is not None:
                 return
             request = decode_pb2.DecodeRequest(
@@ -121,7 +123,7 @@ class ClusterBackend:
                     handed_over = True
                     yield GenerateChunk(tuple(chunk.token_ids), chunk.finish_reason or None,
                                         stop_reason_from_proto(chunk.stop_reason), num_prompt,
-                                        chunk.num_cached_tokens)
+                                        chunk.num_cached_tokens, tuple(map(logprobs_from_proto, chunk.logprobs)))
         finally:
             if kv is not None and not handed_over:
                 await self._release(prefill, kv.lease_id)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 import torch
 import transformers
 
+from services.common.sampling_params import StructuredOutput
 from services.engine import LLM, SamplingParams
 from services.engine.models.loader import load_model
 
@@ -60,3 +64,24 @@ def test_seeded_chat_is_reproducible_and_prefix_cache_hits(llm):
     b = llm.chat(CHAT, params)[0]
     assert a.text == b.text and a.token_ids == b.token_ids
     assert b.num_cached_tokens == 16 * ((len(b.prompt_token_ids) - 1) // 16)
+
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                 "country": {"type": "string", "maxLength": 16}},
+                "required": ["city", "country"], "additionalProperties": False},
+    "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 1, "maxItems": 2},
+    "role": {"enum": ["student", "engineer", "artist", "other"]}},
+    "required": ["name", "age", "address", "hobbies", "role"], "additionalProperties": False}
+
+
+def test_json_schema_output_validates_for_ten_seeds(llm):
+    chat = [{"role": "user", "content": "Describe a fictional person as JSON: name, age, address, hobbies, role."}]
+    structured = StructuredOutput("json_schema", json.dumps(PERSON))
+    params = [SamplingParams(temperature=0.8, seed=seed, max_tokens=80, structured=structured) for seed in range(10)]
+    outs = llm.chat([chat] * 10, params)
+    assert [o.finish_reason for o in outs] == ["stop"] * 10
+    for out in outs:
+        jsonschema.validate(json.loads(out.text), PERSON)
+    assert len({o.text for o in outs}) >= 5
