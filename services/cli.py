@@ -2,7 +2,7 @@
 
 Usage:
     epd up [--prefills N] [--decodes N] [--encoders N] [--port 8000] ...   (the local cluster)
-    epd admin instances | drain ID | undrain ID | policies | policy ROLE NAME | buckets ...
+    epd admin instances | drain ID | undrain ID | policies | policy ROLE NAME | buckets ... | keys ...
     epd chat "message" [--model M] [--max-tokens N] [--temperature T] [--seed S]
     epd generate "prompt" [--model M] [--max-tokens N] [--temperature T] [--seed S]
 
@@ -24,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description="epd: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("up", help="start the local cluster (encoder, prefill, decode, router); see epd up --help")
-    sub.add_parser("admin", help="the router's admin API (instances, drain, policies, buckets); see epd admin --help")
+    sub.add_parser("admin", help="the router's admin API (instances, drain, policies, buckets, API keys); "
+                                     "see epd admin --help")
     for name, help_text in (("chat", "answer one chat message with the model's chat template"),
                             ("generate", "continue a raw text prompt")):
         p = sub.add_parser(name, help=help_text)

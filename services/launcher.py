@@ -91,6 +91,12 @@ class UpConfig:
     """The router's admin API port (on 127.0.0.1)."""
     admin_token: str = ""
     """Bearer token of the admin API; empty: a random one, printed at start."""
+    api_key: tuple[str, ...] = ()
+    """An API key the router requires, KEY or TENANT:KEY (repeat the flag for more; EPD_UP_API_KEY
+    keeps them off this command line too); it reaches the router by environment, never its
+    command line. None, no keys file, no Redis keys: the API is open to anyone on this machine."""
+    api_keys: str = ""
+    """The router's API keys file (JSON, hashed keys; created by `epd admin keys create`)."""
 
     def __post_init__(self) -> None:
         check(self.encoders >= 0, "encoders", "must be >= 0")
@@ -100,6 +106,8 @@ class UpConfig:
         check(self.kvstores >= 0, "kvstores", "must be >= 0")
         check(1 <= self.kvstore_replicas <= max(1, self.kvstores), "kvstore_replicas",
               "must be between 1 and the number of store nodes")
+        check(not (self.api_keys and self.redis), "api_keys", "with --redis the router keeps its keys in "
+              "Redis: drop the keys file (give --api-key, or add keys with epd admin keys create)")
 
     def kvstore_disk_dir(self, node: int) -> str:
         if self.kvstore_dir == "none":
@@ -157,6 +165,8 @@ class Cluster:
         self.config = config
         self.children: list[Child] = []
         self.admin_token = config.admin_token or secrets.token_urlsafe(24)
+        self.needs_keys = False
+        """Whether the router turned away a request without an API key (known once started)."""
 
     def _spawn(self, name: str, module: str, args: list[str]) -> Child:
         host = self.config.host
@@ -203,14 +213,20 @@ class Cluster:
         router_args += ["--admin-port", str(c.admin_port)]
         router_args += [arg for flag, value in (("--prefill-policy", c.prefill_policy),
                                                 ("--decode-policy", c.decode_policy)) if value for arg in (flag, value)]
-        # The token goes by environment, not argv: other users can read a process's argv.
+        router_args += ["--api-keys-file", c.api_keys] if c.api_keys else []
+        router_args += ["--redis-url", c.redis] if c.redis else []  # keys and limits shared through it
+        # Secrets go by environment, not argv: other users can read a process's argv.
         env = {**os.environ, "EPD_ROUTER_ADMIN_TOKEN": self.admin_token}
+        if c.api_key:
+            env["EPD_ROUTER_API_KEYS"] = ",".join(c.api_key)
         router = Child("router", f"{c.host}:{c.port}", subprocess.Popen(
             [sys.executable, "-m", "services.router", "--host", c.host, "--port", str(c.port), *router_args],
             preexec_fn=_die_with_parent, env=env))
         self.children.append(router)
         url = f"http://{router.address}"
         await self._wait_http(router, url + "/health")
+        async with httpx.AsyncClient() as client:  # asked, not guessed: keys may also come from Redis
+            self.needs_keys = (await client.get(url + "/v1/models", timeout=10)).status_code == 401
         return url
 
     async def _wait_healthy(self, children: list[Child]) -> None:
@@ -280,6 +296,12 @@ async def run(config: UpConfig) -> int:
             print(f"  {child.name:<10} {child.address}  (pid {child.process.pid})", flush=True)
         print(f"  admin API  http://127.0.0.1:{config.admin_port}/admin/  token {cluster.admin_token}"
               f"  (export EPD_ROUTER_ADMIN_TOKEN=... for epd admin)", flush=True)
+        if cluster.needs_keys:
+            print("  API keys   required: Authorization: Bearer KEY or x-api-key: KEY"
+                  "  (epd admin keys create TENANT adds one)", flush=True)
+        else:
+            print(f"  API keys   none: the API is open to anyone who can reach {config.host}"
+                  "  (add some: --api-key KEY, or --api-keys FILE / --redis URL and epd admin keys create)", flush=True)
         print(f"epd is up: {url}/v1  (OpenAI API; Ctrl-C stops everything)", flush=True)
         while not stop.is_set():
             if (dead := cluster.exited()) is not None:

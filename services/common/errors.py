@@ -38,6 +38,15 @@ class InvalidRequestError(EPDError, ValueError):
     grpc_status = "INVALID_ARGUMENT"
 
 
+def invalid(message: str, param: str | None = None, code: str | None = None,
+            cls: type[InvalidRequestError] = InvalidRequestError) -> InvalidRequestError:
+    """An InvalidRequestError naming the field at fault (``param``) and, optionally, an error
+    ``code``: the OpenAI error body carries both."""
+    exc = cls(message)
+    exc.param, exc.code = param, code
+    return exc
+
+
 class PromptTooLongError(InvalidRequestError):
     """The prompt (plus at least one output token) does not fit the model's context."""
 

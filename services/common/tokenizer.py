@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import cached_property
@@ -24,6 +25,19 @@ _REPLACEMENT_CHAR = "\ufffd"
 # The special-token variables transformers hands every chat template.
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 _MAX_UTF8_BYTES = 4
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE spells each byte as one printable character; this maps them back."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
 
 
 def _token_content(token) -> str | None:
@@ -108,6 +122,24 @@ class Tokenizer:
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def _byte_alphabet(self) -> dict[str, int] | None:
+        return _byte_level_alphabet() if type(self.backend.decoder).__name__ == "ByteLevel" else None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a token may hold part of a UTF-8 character), as OpenAI's
+        logprobs report them; a special token is its own spelling."""
+        token = self.backend.id_to_token(token_id)
+        if token is None:
+            return b""
+        if token_id in self.all_special_ids:
+            return token.encode()
+        if (alphabet := self._byte_alphabet) is not None:
+            return b"".join(bytes([alphabet[c]]) if c in alphabet else c.encode() for c in token)
+        if match := _BYTE_TOKEN.fullmatch(token):
+            return bytes([int(match.group(1), 16)])
+        return token.replace("\u2581", " ").encode()
 
     @cached_property
     def _compiled_template(self) -> jinja2.Template:

@@ -14,11 +14,12 @@ import sys
 import grpc.aio
 import uvicorn
 
-from services.common.config import config_or_exit
+from services.common.config import ConfigError, config_or_exit
 from services.router.config import RouterConfig
 from services.router.http import create_app
 from services.router.metrics import register_pool_metrics
 from services.router.admin import create_admin_app
+from services.router.gate import Gate, build_gate
 from services.router.pipeline import ClusterBackend
 from services.router.policies import Policy, make_policy
 from services.router.policies.prefill_buckets import scale_bounds
@@ -39,6 +40,18 @@ def configure_buckets(policy: Policy, config: RouterConfig, max_model_len: int) 
 
 
 async def run(config: RouterConfig) -> int:
+    try:
+        gate = await build_gate(config)  # first: a router that may not start says so at once
+    except ConfigError as exc:
+        logger.error("%s", exc)
+        return 2
+    try:
+        return await _run(config, gate)
+    finally:
+        await gate.close()
+
+
+async def _run(config: RouterConfig, gate: Gate) -> int:
     backend = ClusterBackend(config.prefill, config.decode, config.encoder, policies(config),
                              health_timeout_s=config.health_timeout_s)
     try:
@@ -49,7 +62,7 @@ async def run(config: RouterConfig) -> int:
         return 1
     register_pool_metrics({"prefill": backend.prefills, "decode": backend.decodes, "encoder": backend.encoders})
     configure_buckets(backend.prefills.policy, config, backend.max_model_len)
-    app = create_app(backend, served_model_names=list(config.served_model_name))
+    app = create_app(backend, served_model_names=list(config.served_model_name), gate=gate)
     servers = [uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning",
         timeout_graceful_shutdown=config.drain_timeout_s))]
@@ -57,7 +70,8 @@ async def run(config: RouterConfig) -> int:
     if config.admin_port is not None and config.admin_token:
         admin = create_admin_app({"prefill": backend.prefills, "decode": backend.decodes,
                                   "encoder": backend.encoders}, config.admin_token,
-                                 prepare=lambda policy: configure_buckets(policy, config, backend.max_model_len))
+                                 prepare=lambda policy: configure_buckets(policy, config, backend.max_model_len),
+                                 keys=gate.store)
         servers.append(uvicorn.Server(uvicorn.Config(admin, host=config.admin_host, port=config.admin_port,
                                                      log_level="warning")))
         logger.info("admin API on http://%s:%d/admin/ (bearer token)", config.admin_host, config.admin_port)

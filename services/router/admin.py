@@ -7,6 +7,7 @@
     PUT  /admin/policies/{role}                {"policy": name}: switch at once
     GET  /admin/prefill/buckets                bounds, caps, round period, allocation, last demand
     PUT  /admin/prefill/buckets                {"bounds"?, "caps"?, "round_s"?}: from the next pick
+    POST /admin/keys, GET /admin/keys, POST /admin/keys/{id}/revoke    API keys (admin_keys.py)
 
 Every path needs ``Authorization: Bearer <admin token>`` (401 otherwise). Errors use the same
 ``{"error": {"message", "type", ...}}`` body as the public API. ``/admin/openapi.json`` (and
@@ -24,6 +25,8 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict
 
+from services.router.admin_keys import add_key_routes
+from services.router.auth import KeyStore
 from services.router.instances import InstancePool
 from services.router.policies import POLICIES, Policy, make_policy
 
@@ -46,9 +49,10 @@ class BucketChange(BaseModel):
 
 
 def create_admin_app(pools: dict[str, InstancePool], token: str,
-                     prepare: Callable[[Policy], None] = lambda policy: None) -> FastAPI:
+                     prepare: Callable[[Policy], None] = lambda policy: None, keys: KeyStore | None = None) -> FastAPI:
     """``pools``: role -> the router's instance pool for it; ``prepare(policy)`` gives a policy
-    switched in through the API the router's settings (bucket bounds scaled to the model...)."""
+    switched in through the API the router's settings (bucket bounds scaled to the model...);
+    ``keys``: the API key store the /admin/keys routes manage (admin_keys.py; None: no such routes)."""
     if not token:
         raise ValueError("the admin API needs a token")
     app = FastAPI(title="epd router admin API", openapi_url="/admin/openapi.json", docs_url="/admin/docs",
@@ -61,8 +65,8 @@ def create_admin_app(pools: dict[str, InstancePool], token: str,
 
     @app.exception_handler(HTTPException)
     async def error_body(request: Request, exc: HTTPException) -> JSONResponse:
-        kind = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error"}.get(
-            exc.status_code, "invalid_request_error")
+        kind = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error",
+                503: "service_unavailable_error"}.get(exc.status_code, "invalid_request_error")
         return JSONResponse({"error": {"message": exc.detail, "type": kind, "param": None, "code": None}},
                             status_code=exc.status_code, headers=exc.headers)
 
@@ -150,6 +154,8 @@ def create_admin_app(pools: dict[str, InstancePool], token: str,
             raise HTTPException(400, str(exc)) from None
         return _buckets_body(policy)
 
+    if keys is not None:
+        add_key_routes(app, keys, authorized)
     return app
 
 

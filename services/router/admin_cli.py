@@ -5,6 +5,9 @@
     epd admin policies
     epd admin policy ROLE NAME                  (ROLE: prefill, decode, encoder)
     epd admin buckets [--bounds A,B,C] [--caps A,B,C,D] [--round-s S]
+    epd admin keys create TENANT [--rpm N] [--tpm N] [--max-concurrency N]   (prints the key once)
+    epd admin keys list
+    epd admin keys revoke ID_OR_KEY             (an id from keys list, or the key itself)
 
 ``--url`` (default http://127.0.0.1:8001, or EPD_ADMIN_URL) and ``--token`` (default
 EPD_ROUTER_ADMIN_TOKEN, which ``epd up`` prints) reach the router.
@@ -15,9 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 import httpx
+
+from services.router.auth import hash_key
 
 
 def _ints(text: str) -> list[int]:
@@ -40,7 +46,26 @@ def parser() -> argparse.ArgumentParser:
     buckets.add_argument("--bounds", type=_ints, help="three ascending token counts, e.g. 2048,8192,32768")
     buckets.add_argument("--caps", type=_ints, help="four per-bucket instance caps (0: none)")
     buckets.add_argument("--round-s", type=float)
+    keys = sub.add_parser("keys", help="API keys: create, list, revoke").add_subparsers(dest="keys_command",
+                                                                                       required=True)
+    create = keys.add_parser("create", help="a new API key for TENANT (its text is printed once)")
+    create.add_argument("tenant")
+    for limit in ("--rpm", "--tpm", "--max-concurrency"):
+        create.add_argument(limit, type=int, help="this key's own limit (0: unlimited; default: the router's)")
+    keys.add_parser("list", help="every key: id, tenant, limits, revoked (never the key itself)")
+    keys.add_parser("revoke", help="revoke a key at once").add_argument("key", metavar="ID_OR_KEY")
     return p
+
+
+def _key_request(args: argparse.Namespace) -> tuple[str, str, dict | None]:
+    if args.keys_command == "create":
+        limits = {k: getattr(args, k) for k in ("rpm", "tpm", "max_concurrency") if getattr(args, k) is not None}
+        return "POST", "/admin/keys", {"tenant": args.tenant, **limits}
+    if args.keys_command == "list":
+        return "GET", "/admin/keys", None
+    # The key itself is hashed here, so its text never travels (the id is a prefix of the hash).
+    key_id = args.key if re.fullmatch(r"[0-9a-fA-F]+", args.key) else hash_key(args.key)
+    return "POST", f"/admin/keys/{key_id.lower()}/revoke", None
 
 
 def request(args: argparse.Namespace) -> tuple[str, str, dict | None]:
@@ -53,6 +78,8 @@ def request(args: argparse.Namespace) -> tuple[str, str, dict | None]:
         return "GET", "/admin/policies", None
     if args.command == "policy":
         return "PUT", f"/admin/policies/{args.role}", {"policy": args.name}
+    if args.command == "keys":
+        return _key_request(args)
     body = {k: v for k, v in (("bounds", args.bounds), ("caps", args.caps), ("round_s", args.round_s))
             if v is not None}
     return ("PUT" if body else "GET"), "/admin/prefill/buckets", body or None
@@ -78,4 +105,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"epd admin: {reply.status_code}: {message}", file=sys.stderr)
         return 1
     print(json.dumps(reply.json(), indent=2))
+    if args.command == "keys" and args.keys_command == "create":
+        print("epd admin: the key is shown this once; store it now (only its hash is kept)", file=sys.stderr)
     return 0

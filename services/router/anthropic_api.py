@@ -12,20 +12,25 @@ Supported (``POST /v1/messages`` and ``POST /v1/messages/count_tokens``):
 * ``max_tokens`` (required on /v1/messages, >= 1), ``temperature``, ``top_p``, ``top_k``,
   ``stop_sequences``, ``stream``, ``metadata`` (accepted, ignored), and the epd extensions
   ``cache_salt`` / ``kv_retention`` (default ``chat``) as the OpenAI bodies have them.
-* ``stop_reason``: ``end_turn`` (EOS), ``max_tokens``, or ``stop_sequence`` with the matched
-  ``stop_sequence``. ``usage.cache_read_input_tokens`` are the prompt tokens served from the KV
+* ``tools`` (client tools with an ``input_schema``) and ``tool_choice`` (``auto``, ``any``, ``tool``,
+  ``none``): the output is constrained by the tools' schemas (services/router/tools.py) and parsed
+  into ``tool_use`` blocks; earlier ``tool_use`` / ``tool_result`` blocks go back into the prompt. A
+  stream with tools sends its blocks when the output is complete (text and JSON in one delta each).
+* ``stop_reason``: ``end_turn`` (EOS), ``max_tokens``, ``tool_use``, or ``stop_sequence`` with the
+  matched ``stop_sequence``. ``usage.cache_read_input_tokens`` are the prompt tokens served from the KV
   cache; ``cache_creation_input_tokens`` is always 0 (caching is automatic, never billed apart).
 * count_tokens answers ``{"input_tokens": N}``: the templated prompt's tokens, one per image
   (the encoder side widens each image later).
 
-Not supported yet, a 400 that says so: other block types (``tool_use``, ``tool_result``,
-``document``, ``thinking``, ...), non-empty ``tools``, a ``tool_choice`` and an enabled ``thinking``.
+Not supported yet, a 400 that says so: other block types (``document``, ``thinking``, ...), server
+tools (``web_search``, ...) and an enabled ``thinking``.
 Unknown fields are ignored. Errors use Anthropic's body, ``{"type": "error", "error": {"type",
 "message"}}``, with the same statuses as the OpenAI endpoints (503 is an ``overloaded_error``).
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -33,9 +38,12 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.router import openai_api as api
+from services.router import structured
 from services.router.backend import Backend, GenerateRequest
 from services.router.openai_api import OutputText, Prompt, invalid
-from services.router.openai_models import ChatMessage, ContentPart, ImageURL, SamplingFields
+from services.router.openai_models import (ChatMessage, ContentPart, FunctionCall, ImageURL, MessageToolCall,
+                                           SamplingFields)
+from services.router.tools import ToolPlan, anthropic_plan
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -55,12 +63,19 @@ class ImageSource(_Body):
 
 
 class ContentBlock(_Body):
-    """``{"type": "text", "text": ...}`` or ``{"type": "image", "source": {...}}``; any other type
-    is declared only to be rejected in plain words (a 400 that names it)."""
+    """``text``, ``image``, ``tool_use`` (an assistant's call) or ``tool_result`` (its answer, in a
+    user turn); any other type is declared only to be rejected in plain words (a 400 that names it)."""
 
     type: str
     text: str | None = None
     source: ImageSource | None = None
+    id: str | None = None
+    name: str | None = None
+    input: Any = None
+    tool_use_id: str | None = None
+    content: str | list[ContentBlock] | None = None
+    """A tool_result's content: a string or text blocks."""
+    is_error: bool | None = None
 
 
 class AnthropicMessage(_Body):
@@ -74,9 +89,9 @@ class CountTokensRequest(_Body):
     messages: list[AnthropicMessage]
     system: str | list[ContentBlock] | None = None
     tools: list[Any] | None = None
-    """Not supported yet: only null or []."""
+    """Client tools: ``{"name", "description", "input_schema"}``."""
     tool_choice: Any = None
-    """Not supported yet."""
+    """``{"type": "auto" | "any" | "tool" | "none", "name": ...}``."""
     thinking: Any = None
     """Not supported yet: only null or {"type": "disabled"}."""
 
@@ -103,10 +118,6 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def _check_supported(body: CountTokensRequest) -> None:
-    if body.tools:
-        raise invalid("tools are not supported yet (tool use comes later)", "tools")
-    if body.tool_choice is not None:
-        raise invalid("tool_choice is not supported yet (tool use comes later)", "tool_choice")
     if body.thinking is not None and body.thinking != {"type": "disabled"}:
         raise invalid("thinking is not supported yet", "thinking")
 
@@ -128,10 +139,27 @@ def _part(block: ContentBlock, param: str, image_token_id: int | None) -> Conten
     return ContentPart(type="image_url", image_url=ImageURL(url=url))
 
 
-def _content(content: str | list[ContentBlock], where: str, image_token_id: int | None) -> str | list[ContentPart]:
-    if isinstance(content, str):
-        return content
-    return [_part(block, f"{where}.content[{i}]", image_token_id) for i, block in enumerate(content)]
+def _turns(message: AnthropicMessage, where: str, image_token_id: int | None) -> list[ChatMessage]:
+    """One Anthropic turn as OpenAI-path messages: tool results become tool turns (before the
+    turn's other content), an assistant's tool_use blocks become its tool_calls."""
+    if isinstance(message.content, str):
+        return [ChatMessage(role=message.role, content=message.content)]
+    results, parts, calls = [], [], []
+    for i, block in enumerate(message.content):
+        param = f"{where}.content[{i}]"
+        if block.type == "tool_result" and message.role == "user":
+            content = block.content if isinstance(block.content, str) else "\n".join(
+                b.text or "" for b in block.content or () if b.type == "text")
+            results.append(ChatMessage(role="tool", content=content, tool_call_id=block.tool_use_id))
+        elif block.type == "tool_use" and message.role == "assistant":
+            if not block.name or not isinstance(block.input, dict):
+                raise invalid(f"{param}: a tool_use block needs \"name\" and an \"input\" object", param)
+            calls.append(MessageToolCall(id=block.id, function=FunctionCall(name=block.name,
+                                                                             arguments=json.dumps(block.input))))
+        else:
+            parts.append(_part(block, param, image_token_id))
+    turn = ChatMessage(role=message.role, content=parts or None, tool_calls=calls or None)
+    return [*results, turn] if parts or calls or not results else results
 
 
 def chat_messages(body: CountTokensRequest, image_token_id: int | None) -> list[ChatMessage]:
@@ -149,8 +177,7 @@ def chat_messages(body: CountTokensRequest, image_token_id: int | None) -> list[
         if message.role not in ("user", "assistant"):
             raise invalid(f"messages[{i}].role {message.role!r} is not supported (use user or assistant)",
                           f"messages[{i}].role")
-        messages.append(ChatMessage(role=message.role, content=_content(message.content, f"messages[{i}]",
-                                                                        image_token_id)))
+        messages.extend(_turns(message, f"messages[{i}]", image_token_id))
     return messages
 
 
@@ -159,17 +186,21 @@ def prompt(body: CountTokensRequest, backend: Backend, model_names: list[str]) -
     api.check_model(body.model, model_names)
     _check_supported(body)
     messages = chat_messages(body, backend.image_token_id)
-    return api.chat_prompt(messages, backend.tokenizer, backend.image_token_id)
+    return api.chat_prompt(messages, backend.tokenizer, backend.image_token_id,
+                           anthropic_plan(body.tools, body.tool_choice))
 
 
-def messages_request(body: MessagesRequest, backend: Backend, model_names: list[str]) -> GenerateRequest:
+def messages_request(body: MessagesRequest, backend: Backend, model_names: list[str]) -> tuple[GenerateRequest, MessagesFormat]:
     # The OpenAI sampling fields of the same meaning, so both protocols share one set of checks.
     fields = SamplingFields(model=body.model, stream=body.stream, max_tokens=body.max_tokens,
                             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                             stop=body.stop_sequences, cache_salt=body.cache_salt, kv_retention=body.kv_retention)
     checked = prompt(body, backend, model_names)
-    params = api.sampling_params(fields, len(checked.token_ids), backend.max_model_len, "messages")
-    return api.generate_request(f"msg_{uuid.uuid4().hex}", checked, params, fields, "chat")
+    tools = anthropic_plan(body.tools, body.tool_choice)
+    params = api.sampling_params(fields, len(checked.token_ids), backend.max_model_len, "messages",
+                                 structured=structured.pick(("tools", tools and tools.structured())))
+    request = api.generate_request(f"msg_{uuid.uuid4().hex}", checked, params, fields, "chat")
+    return request, MessagesFormat(request.request_id, body.model, tools)
 
 
 @dataclass(frozen=True)
@@ -178,11 +209,23 @@ class MessagesFormat:
 
     id: str
     model: str
+    tools: ToolPlan | None = None
+    """The request offered tools: the text may be calls, so a stream holds it back to the end."""
     terminator: ClassVar[bytes] = b""
+    n: ClassVar[int] = 1
 
-    @staticmethod
-    def _stop(out: OutputText) -> tuple[str, str | None]:
+    def _content(self, out: OutputText) -> tuple[list[dict], bool]:
+        """The content blocks, and whether any is a call."""
+        if self.tools is None:
+            return [{"type": "text", "text": out.text}], False
+        text, calls = self.tools.parse(out.text, "toolu_")
+        blocks = [{"type": "text", "text": text}] if text or not calls else []
+        return blocks + [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in calls], bool(calls)
+
+    def _stop(self, out: OutputText) -> tuple[str, str | None]:
         """stop_reason and stop_sequence."""
+        if self.tools is not None and self._content(out)[1]:
+            return "tool_use", None
         if out.finish_reason == "length":
             return "max_tokens", None
         if isinstance(out.stop_reason, str):
@@ -198,25 +241,56 @@ class MessagesFormat:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
 
-    def response(self, out: OutputText) -> dict:
-        text = [{"type": "text", "text": out.text}]
-        return self._message(text, self._stop(out), self._usage(out, out.num_output_tokens))
+    def response(self, outs: list[OutputText]) -> dict:
+        out, = outs
+        content, has_calls = self._content(out)
+        stop = ("tool_use", None) if has_calls else self._stop(out)
+        return self._message(content, stop, self._usage(out, out.num_output_tokens))
 
-    def start_events(self, out: OutputText) -> list[tuple[str | None, dict]]:
+    def start_events(self, outs: list[OutputText]) -> list[tuple[str | None, dict]]:
+        out, = outs
         # Usage so far: the prompt's; output_tokens grows in message_delta.
         message = self._message([], (None, None), self._usage(out, 0))
-        return [("message_start", {"type": "message_start", "message": message}),
-                ("content_block_start", {"type": "content_block_start", "index": 0,
-                                         "content_block": {"type": "text", "text": ""}}),
-                ("ping", {"type": "ping"})]
+        events = [("message_start", {"type": "message_start", "message": message})]
+        if self.tools is None:
+            events.append(self._block_start(0, {"type": "text", "text": ""}))
+        return [*events, ("ping", {"type": "ping"})]
 
-    def text_event(self, text: str) -> tuple[str | None, dict]:
-        return "content_block_delta", {"type": "content_block_delta", "index": 0,
-                                       "delta": {"type": "text_delta", "text": text}}
+    @staticmethod
+    def _block_start(index: int, block: dict) -> tuple[str, dict]:
+        return "content_block_start", {"type": "content_block_start", "index": index, "content_block": block}
 
-    def end_events(self, out: OutputText) -> list[tuple[str | None, dict]]:
+    @staticmethod
+    def _delta(index: int, delta: dict) -> tuple[str, dict]:
+        return "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+
+    def text_events(self, out: OutputText, text: str) -> list[tuple[str | None, dict]]:
+        if self.tools is not None:
+            return []  # held back: it may be a call
+        return [self._delta(0, {"type": "text_delta", "text": text})]
+
+    def _held_blocks(self, out: OutputText) -> list[tuple[str | None, dict]]:
+        """With tools, every block at the end: text as one delta, each call's input as one JSON delta."""
+        events = []
+        for index, block in enumerate(self._content(out)[0]):
+            if block["type"] == "text":
+                events += [self._block_start(index, {"type": "text", "text": ""}),
+                           self._delta(index, {"type": "text_delta", "text": block["text"]})]
+            else:
+                events += [self._block_start(index, {**block, "input": {}}),
+                           self._delta(index, {"type": "input_json_delta", "partial_json": json.dumps(block["input"])})]
+            events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+        return events
+
+    def choice_end_events(self, out: OutputText) -> list[tuple[str | None, dict]]:
+        return []
+
+    def end_events(self, outs: list[OutputText]) -> list[tuple[str | None, dict]]:
+        out, = outs
         stop_reason, stop_sequence = self._stop(out)
-        return [("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        blocks = self._held_blocks(out) if self.tools is not None else [
+            ("content_block_stop", {"type": "content_block_stop", "index": 0})]
+        return [*blocks,
                 ("message_delta", {"type": "message_delta",
                                    "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                    "usage": {"output_tokens": out.num_output_tokens}}),

@@ -50,6 +50,25 @@ class RouterConfig:
     """Admin API port; 0 picks a free one, none disables it."""
     admin_token: str = ""
     """Bearer token of the admin API; empty: the admin API is off."""
+    api_keys: tuple[str, ...] = ()
+    """API keys clients must send (Authorization: Bearer KEY or x-api-key: KEY): KEY (tenant
+    "default") or TENANT:KEY, comma-separated. Set EPD_ROUTER_API_KEYS, not the flag: anyone on
+    the machine can read a command line. Only their sha256 is kept (in the keys file or Redis);
+    checked at start, where an error does not echo them."""
+    api_keys_file: str = ""
+    """JSON file of API keys (hashed) and their limits; `epd admin keys create` adds to it."""
+    redis_url: str = ""
+    """Redis for API keys and per-key limits shared by several routers (epd up --redis)."""
+    rpm: int = 0
+    """Requests per minute per API key, for keys without their own limit; 0: unlimited."""
+    tpm: int = 0
+    """Tokens (prompt + generated) per minute per API key, for keys without their own; 0: unlimited."""
+    max_concurrency: int = 0
+    """Requests in flight at once per API key, for keys without their own; 0: unlimited."""
+    max_body_bytes: int = 16 * 1024 * 1024
+    """Largest request body accepted (413 beyond)."""
+    allow_unauthenticated: bool = False
+    """Serve the API without keys on a non-loopback host (refused otherwise)."""
 
     def __post_init__(self) -> None:
         check(0 <= self.port <= 65535, "port", "must be in 0..65535 (0: a free port)")
@@ -68,3 +87,8 @@ class RouterConfig:
         check(self.health_timeout_s > 0, "health_timeout_s", "must be > 0")
         check(self.admin_port is None or 0 <= self.admin_port <= 65535, "admin_port",
               "must be in 0..65535 (0: a free port) or none")
+        for field in ("rpm", "tpm", "max_concurrency"):
+            check(getattr(self, field) >= 0, field, "must be >= 0 (0: unlimited)")
+        check(self.max_body_bytes > 0, "max_body_bytes", "must be > 0")
+        check(not (self.api_keys_file and self.redis_url), "api_keys_file",
+              "is a second key store next to --redis-url / EPD_ROUTER_REDIS_URL: choose one")

@@ -4,8 +4,8 @@ Supported (``POST /v1/chat/completions`` and ``POST /v1/completions``):
 
 * ``model``: the backend's model name or any ``--served-model-name``; omitted means the backend's
   model; anything else is a 404.
-* Chat ``messages``: roles ``system``, ``user``, ``assistant`` and ``developer`` (rendered as
-  ``system``); any other role (``tool`` included) is a 400 naming it. ``content`` is a string, null,
+* Chat ``messages``: roles ``system``, ``user``, ``assistant`` (with ``tool_calls``), ``tool`` (a
+  call's result) and ``developer`` (rendered as ``system``); any other role is a 400 naming it. ``content`` is a string, null,
   or a list of parts: ``{"type": "text", "text": ...}`` and, for a model that takes images,
   ``{"type": "image_url", "image_url": {"url": "data:image/<fmt>;base64,..."}}`` (data URIs only;
   the router fetches nothing). Parts are joined with "\\n" (as vLLM does); each image becomes one
@@ -18,14 +18,20 @@ Supported (``POST /v1/chat/completions`` and ``POST /v1/completions``):
   vLLM-style extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
   ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``. ``max_tokens`` defaults to the rest
   of the context (``max_model_len - prompt tokens``), for completions too (OpenAI's default is 16).
-* ``stream``, with ``stream_options.include_usage``; ``n`` = 1; ``user`` (ignored).
+* ``stream``, with ``stream_options.include_usage``; ``n`` (1 to 16 choices, one engine request
+  each, seeded ones with ``seed + i``); ``user`` (ignored).
+* Logprobs: chat ``logprobs`` / ``top_logprobs`` (0 to 20), completions ``logprobs`` (0 to 20), of
+  the raw logits; the first token's come from the prefill instance, the rest from decode.
+* Output constraints (services/router/structured.py, tools.py): ``response_format`` (``json_object``,
+  ``json_schema``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``grammar``, ``choice``,
+  ``json_object``), and chat ``tools`` with ``tool_choice`` ``none`` / ``auto`` / ``required`` / a
+  named function; one constraint per request.
 * ``finish_reason`` is ``stop`` for EOS, a stop string or a stop token id (none of which appear in
-  the text), ``length`` for ``max_tokens`` or the end of the context.
+  the text), ``length`` for ``max_tokens`` or the end of the context, ``tool_calls`` when the
+  output is calls.
 
-Not supported yet, rejected with a 400 that says so: ``n`` > 1, chat ``logprobs: true`` or any
-``top_logprobs``, completions ``logprobs``, ``echo: true``, ``suffix``, ``best_of`` > 1, several
-prompts in one completions request, non-empty ``tools`` / ``functions``, ``tool_choice`` /
-``function_call`` other than ``"none"``, ``response_format`` other than ``{"type": "text"}``, and a
+Not supported, rejected with a 400 that says so: ``echo: true``, ``suffix``, ``best_of`` > 1, several
+prompts in one completions request, the deprecated ``functions`` / ``function_call``, and a
 non-empty ``logit_bias``. Fields the API does not define are ignored.
 
 Errors use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``: 400 for any bad
@@ -41,28 +47,22 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from services.common.errors import (EPDError, InvalidRequestError, ModelNotFoundError, PromptTooLongError,
-                                    UnavailableError)
-from services.common.sampling_params import SamplingParams
+from services.common.errors import (EPDError, ModelNotFoundError, PromptTooLongError, UnavailableError,
+                                    invalid)
+from services.common.sampling_params import SamplingParams, StructuredOutput, TokenLogprobs
 from services.common.text import TextState
 from services.common.tokenizer import Tokenizer
 from services.router.backend import GenerateChunk, GenerateRequest
 from services.router.openai_models import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                            SamplingFields, usage_body)
+from services.router.tools import ToolPlan, render_call, render_result
 
-_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "developer": "system"}
+_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "developer": "system", "tool": "tool"}
+MAX_CHOICES = 16
 _DATA_URI = re.compile(r"data:image/[\w.+-]+;base64,(?P<data>.*)", re.DOTALL)
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error",
                 504: "timeout_error"}
-
-
-def invalid(message: str, param: str | None = None, code: str | None = None,
-            cls: type[InvalidRequestError] = InvalidRequestError) -> InvalidRequestError:
-    """An InvalidRequestError carrying OpenAI's ``param`` / ``code`` for the error body."""
-    exc = cls(message)
-    exc.param, exc.code = param, code
-    return exc
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -85,30 +85,35 @@ def check_model(requested: str | None, accepted: list[str]) -> None:
 
 
 def _reject_unsupported(body: SamplingFields) -> None:
-    if body.n is not None and body.n != 1:
-        raise invalid(f"n={body.n} is not supported yet: only one choice per request (n=1)", "n")
+    if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
+        raise invalid(f"n={body.n} is invalid: must be in [1, {MAX_CHOICES}]", "n")
     if body.logit_bias:
         raise invalid("logit_bias is not supported yet", "logit_bias")
 
 
+def num_logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """SamplingParams.logprobs: None, or how many alternatives each token reports."""
+    if isinstance(body, CompletionRequest):
+        return body.logprobs
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
 def check_chat_supported(body: ChatCompletionRequest) -> None:
     _reject_unsupported(body)
-    if body.logprobs or body.top_logprobs is not None:
-        raise invalid("logprobs / top_logprobs are not supported yet", "logprobs")
-    for name in ("tools", "functions"):
-        if getattr(body, name):
-            raise invalid(f"{name} are not supported yet (tool calling comes later)", name)
-    for name in ("tool_choice", "function_call"):
-        if getattr(body, name) not in (None, "none"):
-            raise invalid(f"{name} is not supported yet (tool calling comes later)", name)
-    if body.response_format is not None and body.response_format != {"type": "text"}:
-        raise invalid("response_format is not supported yet: only {\"type\": \"text\"}", "response_format")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+        raise invalid(f"top_logprobs={body.top_logprobs} is invalid: must be in [0, 20]", "top_logprobs")
+    if body.functions:
+        raise invalid("functions are not supported (deprecated by OpenAI): use tools", "functions")
+    if body.function_call not in (None, "none"):
+        raise invalid("function_call is not supported (deprecated by OpenAI): use tool_choice", "function_call")
 
 
 def check_completion_supported(body: CompletionRequest) -> None:
     _reject_unsupported(body)
-    if body.logprobs is not None:
-        raise invalid("logprobs is not supported yet", "logprobs")
+    if body.logprobs is not None and not 0 <= body.logprobs <= 20:
+        raise invalid(f"logprobs={body.logprobs} is invalid: must be in [0, 20]", "logprobs")
     if body.echo:
         raise invalid("echo is not supported yet", "echo")
     if body.suffix:
@@ -158,7 +163,30 @@ def _render_content(message: ChatMessage, where: str, image_token_id: int | None
     return "\n".join(pieces)
 
 
-def chat_prompt(messages: list[ChatMessage], tokenizer: Tokenizer, image_token_id: int | None) -> Prompt:
+def _render_tools(rendered: list[dict], messages: list[ChatMessage], tools: ToolPlan | None,
+                  template_has_tools: bool) -> list[dict]:
+    """Tool turns for a template that does not render tools itself: calls spelled in the assistant's
+    text, results as user turns, the tools described in the system prompt."""
+    if template_has_tools:
+        return rendered
+    out = []
+    for turn, message in zip(rendered, messages):
+        if message.role == "tool":
+            turn = {"role": "user", "content": render_result(turn["content"])}
+        elif message.tool_calls:
+            calls = "".join(render_call(c.function.name, c.function.arguments) for c in message.tool_calls)
+            turn = {**turn, "content": turn["content"] + calls}
+        out.append(turn)
+    if tools is not None:
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{tools.system_text()}"}
+        else:
+            out.insert(0, {"role": "system", "content": tools.system_text()})
+    return out
+
+
+def chat_prompt(messages: list[ChatMessage], tokenizer: Tokenizer, image_token_id: int | None,
+                tools: ToolPlan | None = None) -> Prompt:
     if not messages:
         raise invalid("messages must not be empty", "messages")
     # A fresh random marker per request, so no user text can pose as an image.
@@ -170,8 +198,16 @@ def chat_prompt(messages: list[ChatMessage], tokenizer: Tokenizer, image_token_i
             raise invalid(f"messages[{i}].role {message.role!r} is not supported "
                           f"(use one of {sorted(_ROLES)})", f"messages[{i}].role")
         content = _render_content(message, f"messages[{i}]", image_token_id, images, marker)
-        rendered.append({"role": _ROLES[message.role], "content": content})
-    pieces = tokenizer.apply_chat_template(rendered, add_generation_prompt=True).split(marker)
+        turn = {"role": _ROLES[message.role], "content": content}
+        if message.tool_calls:
+            turn["tool_calls"] = [c.model_dump() for c in message.tool_calls]
+        if message.tool_call_id is not None:
+            turn["tool_call_id"] = message.tool_call_id
+        rendered.append(turn)
+    template_has_tools = "tools" in (tokenizer.chat_template or "")
+    rendered = _render_tools(rendered, messages, tools, template_has_tools)
+    extra = {"tools": tools.template_tools()} if tools is not None and template_has_tools else {}
+    pieces = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **extra).split(marker)
     if len(pieces) != len(images) + 1:
         raise invalid(f"the chat template rendered {len(pieces) - 1} of the {len(images)} images", "messages")
     token_ids: list[int] = []
@@ -217,7 +253,8 @@ def requested_max_tokens(body: SamplingFields) -> tuple[int | None, str]:
 
 
 def sampling_params(body: SamplingFields, num_prompt_tokens: int, max_model_len: int,
-                    prompt_param: str) -> SamplingParams:
+                    prompt_param: str, logprobs: int | None = None,
+                    structured: StructuredOutput | None = None) -> SamplingParams:
     max_tokens, max_tokens_param = requested_max_tokens(body)
     if num_prompt_tokens >= max_model_len:
         raise invalid(f"the prompt is {num_prompt_tokens} tokens, but this model's context is "
@@ -235,7 +272,8 @@ def sampling_params(body: SamplingFields, num_prompt_tokens: int, max_model_len:
     return SamplingParams(
         max_tokens=room if max_tokens is None else max_tokens, stop=body.stop or (),
         stop_token_ids=tuple(body.stop_token_ids or ()), min_tokens=body.min_tokens,
-        ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens, **optional)
+        ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
+        structured=structured, **optional)
 
 
 def generate_request(request_id: str, prompt: Prompt, params: SamplingParams, body: SamplingFields,
@@ -252,8 +290,11 @@ class OutputText:
     found here too; the caller then stops reading (and closes the backend iterator).
     """
 
-    def __init__(self, tokenizer: Tokenizer, request: GenerateRequest) -> None:
+    def __init__(self, tokenizer: Tokenizer, request: GenerateRequest, index: int = 0) -> None:
         params = request.params
+        self.index = index
+        """The choice's index (OpenAI's ``n``)."""
+        self.tokenizer = tokenizer
         self._state = TextState(tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens)
         # The token that ended a request on EOS / a stop token id is counted but not shown.
         self._ending_ids = frozenset((*tokenizer.eos_token_ids, *params.stop_token_ids))
@@ -264,6 +305,9 @@ class OutputText:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.logprobs: list[TokenLogprobs] = []
+        """Of the shown tokens (not of a hidden EOS / stop token id), when the request asked."""
+        self.num_sent_logprobs = 0
 
     @property
     def text(self) -> str:
@@ -287,6 +331,8 @@ class OutputText:
             self.token_ids.append(token_id)
             if hide_last and i == len(token_ids) - 1:
                 break
+            if i < len(chunk.logprobs):
+                self.logprobs.append(chunk.logprobs[i])
             if (stop := self._state.add(token_id)) is not None:
                 self.finish_reason, self.stop_reason = "stop", stop
                 return self._take(len(self.text))
@@ -301,5 +347,17 @@ class OutputText:
         self.num_sent_chars = max(self.num_sent_chars, end)
         return delta
 
+    def take_logprobs(self) -> list[TokenLogprobs]:
+        """The logprobs not handed out yet (a stream sends each token's with the text it came in)."""
+        new = self.logprobs[self.num_sent_logprobs:]
+        self.num_sent_logprobs = len(self.logprobs)
+        return new
+
     def usage(self) -> dict:
         return usage_body(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
+
+
+def usage_of(outs: list[OutputText]) -> dict:
+    """One request's usage over its choices: the prompt once, every choice's output."""
+    first = outs[0]
+    return usage_body(first.num_prompt_tokens, sum(o.num_output_tokens for o in outs), first.num_cached_tokens)

@@ -1,5 +1,5 @@
-"""The OpenAI API's wire shapes: request bodies as pydantic models (they make /openapi.json),
-responses as JSON built by one small class per endpoint.
+"""The OpenAI API's request bodies as pydantic models (they make /openapi.json); the responses are
+built in :mod:`services.router.openai_formats`.
 
 Unknown fields are ignored (the OpenAI SDK sends some we do not use). Fields the router does not
 support yet are still declared, so that a client that sets them gets a 400 that says so instead of
@@ -8,13 +8,9 @@ a silently different answer; :mod:`services.router.openai_api` does those checks
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-if TYPE_CHECKING:
-    from services.router.openai_api import OutputText
 
 
 class _Body(BaseModel):
@@ -43,11 +39,53 @@ class ContentPart(_Body):
     image_url: ImageURL | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+    """JSON text."""
+
+
+class MessageToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: str
-    """system, user, assistant, or developer (rendered as system)."""
+    """system, user, assistant, developer (rendered as system), or tool (a call's result)."""
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    """An assistant turn's calls."""
+    tool_call_id: str | None = None
+    """A tool turn: the call it answers."""
+
+
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    """Accepted; arguments always match the schema exactly."""
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs`` extension: exactly one of these constrains the output."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    """A JSON schema (object or JSON text)."""
+    regex: str | None = None
+    grammar: str | None = None
+    """An EBNF grammar (GBNF dialect, root rule ``root``)."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    json_object: bool | None = None
 
 
 class SamplingFields(_Body):
@@ -66,7 +104,7 @@ class SamplingFields(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     n: int | None = None
-    """Only 1 is supported yet."""
+    """Choices per request, 1 to 16; seeded choices use seed, seed + 1, ..."""
     logit_bias: dict[str, float] | None = None
     """Not supported yet: only null or {} is accepted."""
     user: str | None = None
@@ -86,6 +124,10 @@ class SamplingFields(_Body):
     kv_retention: Literal["agent", "chat"] | None = None
     """epd extension: how long the KV store keeps this request's blocks (agent: 3 days, chat:
     7 days by default). Default: chat for chat completions, agent for completions."""
+    response_format: dict[str, Any] | None = None
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", ...}}``."""
+    structured_outputs: StructuredOutputs | None = None
+    """vLLM extension: regex, EBNF grammar, JSON schema or choice."""
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -93,19 +135,19 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     """Wins over max_tokens when both are given."""
     logprobs: bool | None = None
-    """Not supported yet: only false / null."""
+    """Each token's logprob in ``choices[].logprobs.content``."""
     top_logprobs: int | None = None
-    """Not supported yet."""
-    tools: list[Any] | None = None
-    """Not supported yet: only null or []."""
+    """0 to 20 most likely alternatives per token (needs ``logprobs: true``)."""
+    tools: list[ChatTool] | None = None
     tool_choice: Any = None
-    """Not supported yet: only null or "none"."""
+    """``"none"``, ``"auto"`` (default with tools), ``"required"``, or
+    ``{"type": "function", "function": {"name": ...}}``."""
+    parallel_tool_calls: bool | None = None
+    """Accepted; with ``tool_choice`` required or named the output is exactly one call."""
     functions: list[Any] | None = None
-    """Not supported yet: only null or []."""
+    """Deprecated by OpenAI; not supported: only null or []."""
     function_call: Any = None
-    """Not supported yet: only null or "none"."""
-    response_format: dict[str, Any] | None = None
-    """Only {"type": "text"} yet."""
+    """Deprecated by OpenAI; not supported: only null or "none"."""
 
 
 class CompletionRequest(SamplingFields):
@@ -118,100 +160,10 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     """Only 1 yet."""
     logprobs: int | None = None
-    """Not supported yet."""
+    """0 to 5 (vLLM: 20) most likely alternatives per token, with each token's own logprob."""
 
-
-# Responses are plain JSON built here, one class per endpoint with the same methods, so the HTTP
-# layer drives chat, completions (and anthropic_api's messages) with one streaming loop.
 
 def usage_body(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
             "total_tokens": num_prompt_tokens + num_output_tokens,
             "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
-
-
-@dataclass(frozen=True)
-class _OpenAIFormat:
-    """The streaming loop's side of an OpenAI endpoint: data-only events (no SSE event names), an
-    error as one more data event, and ``data: [DONE]`` last, after an error too."""
-
-    id: str
-    model: str
-    created: int
-    include_usage: bool = False
-    """``stream_options.include_usage``: a last chunk carries the usage."""
-    return_token_ids: bool = False
-    terminator: ClassVar[bytes] = b"data: [DONE]\n\n"
-
-    def start_events(self, out: OutputText) -> list[tuple[str | None, dict]]:
-        first = self.first_chunk()
-        return [] if first is None else [(None, first)]
-
-    def text_event(self, text: str) -> tuple[str | None, dict]:
-        return None, self.text_chunk(text)
-
-    def end_events(self, out: OutputText) -> list[tuple[str | None, dict]]:
-        events = [(None, self.finish_chunk(out.finish_reason))]
-        if self.include_usage:
-            events.append((None, self.usage_chunk(out.usage())))
-        return events
-
-    def error_event(self, body: dict) -> tuple[str | None, dict]:
-        return None, body
-
-    def response(self, out: OutputText) -> dict:
-        body = self.full_response(out.text, out.finish_reason, out.usage())
-        if self.return_token_ids:
-            body["choices"][0]["token_ids"] = out.token_ids
-        return body
-
-
-class ChatFormat(_OpenAIFormat):
-    def _chunk(self, choices: list[dict], **extra) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model, "choices": choices, **extra}
-
-    def _choice_chunk(self, delta: dict, finish_reason: str | None = None) -> dict:
-        return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
-
-    def first_chunk(self) -> dict | None:
-        return self._choice_chunk({"role": "assistant", "content": ""})
-
-    def text_chunk(self, text: str) -> dict:
-        return self._choice_chunk({"content": text})
-
-    def finish_chunk(self, finish_reason: str) -> dict:
-        return self._choice_chunk({}, finish_reason)
-
-    def usage_chunk(self, usage: dict) -> dict:
-        return self._chunk([], usage=usage)
-
-    def full_response(self, text: str, finish_reason: str, usage: dict) -> dict:
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": finish_reason, "logprobs": None}],
-                "usage": usage}
-
-
-class CompletionFormat(_OpenAIFormat):
-    def _body(self, choices: list[dict], **extra) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model, "choices": choices, **extra}
-
-    def _choice(self, text: str, finish_reason: str | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
-    def first_chunk(self) -> dict | None:
-        return None  # completions chunks carry no role
-
-    def text_chunk(self, text: str) -> dict:
-        return self._body([self._choice(text, None)])
-
-    def finish_chunk(self, finish_reason: str) -> dict:
-        return self._body([self._choice("", finish_reason)])
-
-    def usage_chunk(self, usage: dict) -> dict:
-        return self._body([], usage=usage)
-
-    def full_response(self, text: str, finish_reason: str, usage: dict) -> dict:
-        return self._body([self._choice(text, finish_reason)], usage=usage)

@@ -22,8 +22,10 @@ Supported (``POST /v1/responses``):
   ``response.completed`` (``response.incomplete`` when cut), no terminator. A failure after the
   stream started is an ``error`` event ``{"type": "error", "code", "message", "param"}``.
 
-Not supported yet, a 400 that says so: non-empty ``tools``, ``previous_response_id``, ``text.format``
-other than text, ``reasoning``, ``n`` other than 1, input items other than messages (function
+``text.format`` ``json_object`` / ``json_schema`` (``{"type": "json_schema", "name", "schema"}``)
+constrains the output as chat's ``response_format`` does.
+
+Not supported yet, a 400 that says so: non-empty ``tools``, ``previous_response_id``, ``reasoning``, ``n`` other than 1, input items other than messages (function
 calls, ...) and content parts other than text (``input_image``, ``input_file``, ...). Unknown fields
 are ignored. Errors use OpenAI's body (the path is not under /v1/messages).
 """
@@ -39,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.common.errors import InvalidRequestError
 from services.common.sampling_params import SamplingParams
 from services.router import openai_api as api
+from services.router import structured
 from services.router.backend import Backend, GenerateRequest
 from services.router.openai_api import OutputText, invalid
 from services.router.openai_models import ChatMessage, ContentPart, SamplingFields
@@ -84,7 +87,7 @@ class ResponsesRequest(_Body):
     previous_response_id: str | None = None
     """Not supported yet (nothing is stored to continue from)."""
     text: dict[str, Any] | None = None
-    """Only ``{"format": {"type": "text"}}`` yet."""
+    """``{"format": {"type": "text" | "json_object" | "json_schema", "name", "schema"}}``."""
     reasoning: dict[str, Any] | None = None
     """Not supported yet."""
     n: int | None = None
@@ -102,9 +105,6 @@ def _check_supported(body: ResponsesRequest) -> None:
     if body.previous_response_id is not None:
         raise invalid("previous_response_id is not supported yet: responses are not stored, send the "
                       "whole conversation as input", "previous_response_id")
-    text_format = (body.text or {}).get("format")
-    if text_format is not None and text_format.get("type") != "text":
-        raise invalid("text.format is not supported yet: only {\"type\": \"text\"}", "text.format")
     if body.reasoning is not None and any(value is not None for value in body.reasoning.values()):
         raise invalid("reasoning is not supported yet", "reasoning")
     if body.n is not None and body.n != 1:
@@ -146,9 +146,11 @@ def chat_messages(body: ResponsesRequest) -> list[ChatMessage]:
     return messages
 
 
-def _sampling_params(fields: SamplingFields, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+def _sampling_params(fields: SamplingFields, num_prompt_tokens: int, max_model_len: int,
+                     text_format: dict | None) -> SamplingParams:
+    constraint = structured.pick(("text.format", structured.from_response_format(text_format, "text.format")))
     try:
-        return api.sampling_params(fields, num_prompt_tokens, max_model_len, "input")
+        return api.sampling_params(fields, num_prompt_tokens, max_model_len, "input", structured=constraint)
     except InvalidRequestError as exc:
         if getattr(exc, "param", None) != "max_tokens":
             raise
@@ -167,7 +169,7 @@ def build(body: ResponsesRequest, backend: Backend,
                             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
                             cache_salt=body.cache_salt, kv_retention=body.kv_retention)
     prompt = api.chat_prompt(chat_messages(body), backend.tokenizer, backend.image_token_id)
-    params = _sampling_params(fields, len(prompt.token_ids), backend.max_model_len)
+    params = _sampling_params(fields, len(prompt.token_ids), backend.max_model_len, (body.text or {}).get("format"))
     request = api.generate_request(f"resp_{uuid.uuid4().hex}", prompt, params, fields, "chat")
     return request, ResponsesFormat(request.request_id, body.model or backend.model_name, body)
 
@@ -179,6 +181,7 @@ class ResponsesFormat:
     """
 
     terminator: ClassVar[bytes] = b""
+    n: ClassVar[int] = 1
 
     def __init__(self, response_id: str, model: str, body: ResponsesRequest) -> None:
         self.id = response_id
@@ -222,28 +225,33 @@ class ResponsesFormat:
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
                 "model": self.model, "output": output, "parallel_tool_calls": False,
                 "temperature": body.temperature, "top_p": body.top_p, "tool_choice": "none", "tools": [],
-                "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
+                "text": body.text or {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
                 "metadata": body.metadata or {}, "usage": usage}
 
     def _final_message(self, out: OutputText) -> dict:
         return self._message("incomplete" if self._is_incomplete(out) else "completed", [self._part(out.text)])
 
-    def response(self, out: OutputText) -> dict:
+    def response(self, outs: list[OutputText]) -> dict:
+        out, = outs
         status = "incomplete" if self._is_incomplete(out) else "completed"
         return self._response(status, [self._final_message(out)], out)
 
-    def start_events(self, out: OutputText) -> list[Event]:
+    def start_events(self, outs: list[OutputText]) -> list[Event]:
         in_progress = self._response("in_progress", [])
         return [self._event("response.created", response=in_progress),
                 self._event("response.in_progress", response=in_progress),
                 self._event("response.output_item.added", output_index=0, item=self._message("in_progress", [])),
                 self._event("response.content_part.added", **self._at(), part=self._part(""))]
 
-    def text_event(self, text: str) -> Event:
-        return self._event("response.output_text.delta", **self._at(), delta=text, logprobs=[])
+    def text_events(self, out: OutputText, text: str) -> list[Event]:
+        return [self._event("response.output_text.delta", **self._at(), delta=text, logprobs=[])]
 
-    def end_events(self, out: OutputText) -> list[Event]:
-        final = self.response(out)
+    def choice_end_events(self, out: OutputText) -> list[Event]:
+        return []
+
+    def end_events(self, outs: list[OutputText]) -> list[Event]:
+        out, = outs
+        final = self.response(outs)
         return [self._event("response.output_text.done", **self._at(), text=out.text, logprobs=[]),
                 self._event("response.content_part.done", **self._at(), part=self._part(out.text)),
                 self._event("response.output_item.done", output_index=0, item=self._final_message(out)),

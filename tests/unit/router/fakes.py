@@ -12,6 +12,7 @@ import openai
 import pytest
 import uvicorn
 
+from services.common.sampling_params import TokenLogprobs
 from services.common.tokenizer import Tokenizer
 from services.router.backend import GenerateChunk, GenerateRequest
 
@@ -66,6 +67,14 @@ class ScriptedBackend:
                 return output, "length", None
         return output, "length", None
 
+    @staticmethod
+    def _logprobs(request: GenerateRequest, ids: tuple[int, ...]) -> tuple[TokenLogprobs, ...]:
+        """Made-up logprobs: the token's is -id/1000, its alternatives the next ids, each 1 lower."""
+        n = request.params.logprobs
+        if n is None:
+            return ()
+        return tuple(TokenLogprobs(t, -t / 1000, tuple((t + k, -t / 1000 - k) for k in range(n))) for t in ids)
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         self.requests.append(request)
         output, finish_reason, stop_reason = self._tokens(request)
@@ -81,7 +90,7 @@ class ScriptedBackend:
                 ids = tuple(output[start:start + self.tokens_per_chunk])
                 last = start + self.tokens_per_chunk >= len(output)
                 yield GenerateChunk(ids, finish_reason if last else None, stop_reason if last else None,
-                                    num_prompt, self.num_cached_tokens)
+                                    num_prompt, self.num_cached_tokens, self._logprobs(request, ids))
             self.finished.append(request.request_id)
         except (GeneratorExit, asyncio.CancelledError):
             await asyncio.sleep(0.01)  # cleanup may await (the real backend sends cancel RPCs)

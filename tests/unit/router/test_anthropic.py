@@ -154,8 +154,9 @@ def test_errors_use_anthropics_body(claude, backend, base_url):
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]), bad,
         "invalid_request_error", "messages[0].content[0]", "takes no images")
     _error(lambda: create(model="test-model", max_tokens=5, messages=MESSAGES,
-                          tools=[{"name": "f", "input_schema": {"type": "object"}}]), bad,
-           "invalid_request_error", "not supported yet")
+                          tools=[{"name": "f", "input_schema": {"type": "object"}}],
+                          tool_choice={"type": "tool", "name": "g"}), bad,
+           "invalid_request_error", "'g'", "not one of the tools")
     _error(lambda: claude.messages.count_tokens(model="nope", messages=MESSAGES), anthropic.NotFoundError,
            "not_found_error", "nope")
     response = httpx.post(f"{base_url}/v1/messages", content="{not json", headers={"content-type": "application/json"})

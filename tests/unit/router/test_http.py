@@ -136,8 +136,10 @@ def test_bad_input_is_400(client, backend):
     openai_error(lambda: chat(model="test-model", messages=MESSAGES, max_tokens=5000), "5000", "2048")
     openai_error(lambda: chat(model="test-model", messages=[{"role": "user", "content": "hi " * 3000}]),
                  "the prompt is", "2048")
-    openai_error(lambda: chat(model="test-model", messages=MESSAGES, n=2), "not supported yet")
-    openai_error(lambda: chat(model="test-model", messages=MESSAGES, logprobs=True), "not supported yet")
+    openai_error(lambda: chat(model="test-model", messages=MESSAGES, n=17), "n=17", "[1, 16]")
+    openai_error(lambda: chat(model="test-model", messages=MESSAGES, top_logprobs=2), "needs logprobs: true")
+    openai_error(lambda: chat(model="test-model", messages=MESSAGES, logprobs=True, top_logprobs=21), "[0, 20]")
+    openai_error(lambda: chat(model="test-model", messages=MESSAGES, tool_choice="required"), "needs tools")
     openai_error(lambda: chat(model="test-model", messages=MESSAGES, temperature=-1), "temperature")
     openai_error(lambda: chat(model="test-model", messages=MESSAGES, extra_body={"top_p": "x"}), "top_p")
     openai_error(lambda: chat(model="test-model", messages=[{"role": "user", "content": [

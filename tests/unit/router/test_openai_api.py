@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import re
 
 import pytest
 
@@ -67,8 +68,8 @@ def test_bad_content_is_rejected(tokenizer, content, image_id, message):
 
 
 def test_unknown_role_is_named(tokenizer):
-    with pytest.raises(InvalidRequestError, match=r"messages\[1\]\.role 'tool'") as info:
-        api.chat_prompt([ChatMessage(role="user", content="a"), ChatMessage(role="tool", content="b")],
+    with pytest.raises(InvalidRequestError, match=r"messages\[1\]\.role 'robot'") as info:
+        api.chat_prompt([ChatMessage(role="user", content="a"), ChatMessage(role="robot", content="b")],
                         tokenizer, None)
     assert info.value.param == "messages[1].role"
 
@@ -102,14 +103,14 @@ def test_context_errors_give_the_numbers():
         api.sampling_params(chat(max_completion_tokens=0), 10, 2048, "messages")
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "logprobs"),
-    ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
-    ({"functions": [{}]}, "functions"), ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"logit_bias": {"1": 5}}, "logit_bias"),
+@pytest.mark.parametrize("fields, param, words", [
+    ({"n": 0}, "n", "must be in [1, 16]"), ({"n": 17}, "n", "must be in [1, 16]"),
+    ({"top_logprobs": 30, "logprobs": True}, "top_logprobs", "[0, 20]"),
+    ({"functions": [{}]}, "functions", "use tools"), ({"function_call": "auto"}, "function_call", "use tool_choice"),
+    ({"logit_bias": {"1": 5}}, "logit_bias", "not supported yet"),
 ])
-def test_unsupported_chat_fields_say_so(fields, param):
-    with pytest.raises(InvalidRequestError, match="not supported yet") as info:
+def test_unsupported_or_invalid_chat_fields_say_so(fields, param, words):
+    with pytest.raises(InvalidRequestError, match=re.escape(words)) as info:
         api.check_chat_supported(chat(**fields))
     assert info.value.param == param
 
@@ -119,7 +120,16 @@ def test_harmless_values_of_unsupported_fields_pass():
                                   response_format={"type": "text"}, logit_bias={}))
 
 
-@pytest.mark.parametrize("fields", [{"echo": True}, {"suffix": "x"}, {"best_of": 2}, {"logprobs": 1}])
+def test_logprobs_fields_map_to_the_number_of_alternatives():
+    assert api.num_logprobs(chat()) is None
+    assert api.num_logprobs(chat(logprobs=True)) == 0
+    assert api.num_logprobs(chat(logprobs=True, top_logprobs=3)) == 3
+    with pytest.raises(InvalidRequestError, match="top_logprobs needs logprobs: true"):
+        api.num_logprobs(chat(top_logprobs=3))
+    assert api.num_logprobs(CompletionRequest(prompt="x", logprobs=2)) == 2
+
+
+@pytest.mark.parametrize("fields", [{"echo": True}, {"suffix": "x"}, {"best_of": 2}])
 def test_unsupported_completion_fields_say_so(fields):
     with pytest.raises(InvalidRequestError, match="not supported yet"):
         api.check_completion_supported(CompletionRequest(prompt="x", **fields))

@@ -128,7 +128,6 @@ def test_unsupported_and_bad_fields_are_400(client, backend):
     for kwargs, field in [
         (dict(tools=[{"type": "function", "name": "f", "parameters": {}}]), "tools"),
         (dict(previous_response_id="resp_123"), "previous_response_id"),
-        (dict(text={"format": {"type": "json_object"}}), "text.format"),
         (dict(reasoning={"effort": "high"}), "reasoning"),
         (dict(extra_body={"n": 2}), "n"),
     ]:
@@ -148,6 +147,19 @@ def test_unsupported_and_bad_fields_are_400(client, backend):
     body = openai_error(lambda: create(model="gpt-9", input=QUESTION), "gpt-9", status=openai.NotFoundError)
     assert body["type"] == "not_found_error" and body["code"] == "model_not_found"
     assert backend.requests == []
+
+
+def test_text_format_constrains_the_output(client, backend):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    reply = client.responses.create(model="test-model", input=QUESTION, max_output_tokens=4,
+                                    text={"format": {"type": "json_schema", "name": "r", "schema": schema}})
+    assert reply.text.format.type == "json_schema"
+    client.responses.create(model="test-model", input=QUESTION, max_output_tokens=4,
+                            text={"format": {"type": "json_object"}})
+    assert [r.params.structured.kind for r in backend.requests] == ["json_schema", "json_object"]
+    body = openai_error(lambda: client.responses.create(model="test-model", input=QUESTION, text={
+        "format": {"type": "json_schema", "name": "r", "schema": {"type": "nope"}}}), "text.format")
+    assert body["param"] == "text.format"
 
 
 def test_accepted_defaults_are_not_rejected(client, backend):

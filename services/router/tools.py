@@ -1,0 +1,180 @@
+"""Tool calling, shared by chat completions and Messages: the tools a request offers become a
+section of the prompt and a grammar; the generated text becomes tool calls again.
+
+A call is spelled ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (the Hermes / Qwen
+convention). The grammar makes the spelling exact, so parsing never guesses:
+
+* ``auto``: free text, but once the model writes ``<tool_call>`` it must finish a call to one of
+  the tools with arguments matching that tool's JSON schema (a structural tag);
+* ``required`` / a named tool: the whole output is one call, as bare JSON
+  ``{"name": ..., "arguments": ...}`` constrained by the schema(s).
+
+A model whose chat template renders ``tools`` itself gets them as the ``tools`` variable; any other
+template gets a system-prompt section that describes them, and the conversation's earlier calls and
+results spelled in the same convention.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+
+from services.common.errors import invalid
+from services.common.sampling_params import StructuredOutput
+
+BEGIN, END = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict
+    """The arguments' JSON schema."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict
+
+    @property
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+def new_call_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def check_tool(name, description, parameters, param: str) -> Tool:
+    if not isinstance(name, str) or not name or len(name) > 64 or not all(c.isalnum() or c in "_-" for c in name):
+        raise invalid(f"{param}.name {name!r} is invalid: 1 to 64 letters, digits, _ or -", f"{param}.name")
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise invalid(f"{param}: the parameters must be a JSON schema object", param)
+    return Tool(name, description or "", parameters)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    tools: tuple[Tool, ...]
+    choice: str
+    """``auto``, ``required``, or the name of the tool that must be called."""
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise invalid(f"tool names must be unique, got {names}", "tools")
+        if self.choice not in ("auto", "required") and self.choice not in names:
+            raise invalid(f"tool_choice names {self.choice!r}, which is not one of the tools {names}", "tool_choice")
+
+    @property
+    def is_forced(self) -> bool:
+        """The output is one call and nothing else."""
+        return self.choice != "auto"
+
+    def _call_schema(self, tool: Tool) -> dict:
+        return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+                "required": ["name", "arguments"], "additionalProperties": False}
+
+    def structured(self) -> StructuredOutput:
+        if self.is_forced:
+            tools = [t for t in self.tools if self.choice in ("required", t.name)]
+            schema = self._call_schema(tools[0]) if len(tools) == 1 else {
+                "anyOf": [self._call_schema(t) for t in tools]}
+            return StructuredOutput("json_schema", json.dumps(schema))
+        tags = [{"begin": f'{BEGIN}{{"name": {json.dumps(t.name)}, "arguments": ', "schema": t.parameters,
+                 "end": f"}}{END}"} for t in self.tools]
+        return StructuredOutput("structural_tag", json.dumps({"triggers": [BEGIN], "tags": tags}))
+
+    def system_text(self) -> str:
+        described = [{"name": t.name, "description": t.description, "parameters": t.parameters} for t in self.tools]
+        must = ("You must call exactly one tool now."
+                if self.is_forced else "Call a tool only when it helps; otherwise answer normally.")
+        return (f"You can call these tools:\n<tools>\n{json.dumps(described, ensure_ascii=False)}\n</tools>\n"
+                f"To call a tool, reply with {BEGIN}{{\"name\": <tool name>, \"arguments\": <arguments as JSON>}}{END}. "
+                f"{must}")
+
+    def template_tools(self) -> list[dict]:
+        """The tools as chat templates that render them expect (OpenAI's shape)."""
+        return [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                  "parameters": t.parameters}} for t in self.tools]
+
+    def parse(self, text: str, id_prefix: str) -> tuple[str, list[ToolCall]]:
+        """(the text outside calls, the calls). A call the output did not finish (cut by
+        max_tokens) stays text."""
+        if self.is_forced:
+            try:
+                call = json.loads(text)
+            except json.JSONDecodeError:
+                return text, []
+            return "", [ToolCall(new_call_id(id_prefix), call["name"], call["arguments"])]
+        calls: list[ToolCall] = []
+        content, rest = text.partition(BEGIN)[0], text
+        while (start := rest.find(BEGIN)) >= 0 and (end := rest.find(END, start)) >= 0:
+            try:
+                call = json.loads(rest[start + len(BEGIN):end])
+                calls.append(ToolCall(new_call_id(id_prefix), call["name"], call["arguments"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                return text, []
+            rest = rest[end + len(END):]
+        if not calls:
+            return text, []
+        return content.rstrip(), calls
+
+
+def render_call(name: str, arguments: dict | str) -> str:
+    """An earlier call of the conversation, as the model would have written it."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError:
+            raise invalid(f"the arguments of the earlier call to {name!r} are not valid JSON", "messages") from None
+    return f"{BEGIN}{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}{END}"
+
+
+def render_result(content: str) -> str:
+    return f"<tool_response>\n{content}\n</tool_response>"
+
+
+def openai_plan(tools, tool_choice) -> ToolPlan | None:
+    """Chat completions' ``tools`` / ``tool_choice`` (None: no tools in play)."""
+    if tool_choice == "none":
+        return None
+    if not tools:
+        if tool_choice not in (None, "auto"):
+            raise invalid("tool_choice needs tools", "tool_choice")
+        return None
+    checked = tuple(check_tool(t.function.name, t.function.description, t.function.parameters, f"tools[{i}].function")
+                    for i, t in enumerate(tools))
+    if tool_choice in (None, "auto", "required"):
+        return ToolPlan(checked, tool_choice or "auto")
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" \
+            and isinstance(tool_choice.get("function"), dict):
+        return ToolPlan(checked, str(tool_choice["function"].get("name")))
+    raise invalid(f"tool_choice {tool_choice!r} is invalid: use \"none\", \"auto\", \"required\" or "
+                  f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tool_choice")
+
+
+def anthropic_plan(tools: list[dict] | None, tool_choice: dict | None) -> ToolPlan | None:
+    """Messages' ``tools`` / ``tool_choice`` (``auto``, ``any``, ``tool`` + name, ``none``)."""
+    choice_type = tool_choice.get("type") if isinstance(tool_choice, dict) else tool_choice or "auto"
+    if choice_type not in ("auto", "any", "tool", "none"):
+        raise invalid(f"tool_choice {tool_choice!r} is invalid: type must be auto, any, tool or none", "tool_choice")
+    if not tools or choice_type == "none":
+        if choice_type in ("any", "tool"):
+            raise invalid("tool_choice needs tools", "tool_choice")
+        return None
+    checked = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise invalid(f"tools[{i}]: {kind!r} tools are not supported (only client tools with an "
+                          f"input_schema)", f"tools[{i}]")
+        checked.append(check_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), f"tools[{i}]"))
+    name = {"auto": "auto", "any": "required"}.get(choice_type) or str(tool_choice.get("name"))
+    return ToolPlan(tuple(checked), name)

@@ -1,0 +1,162 @@
+"""The public API on a live SmolLM2 cluster (1 prefill + 1 decode + 1 store node), with the
+official openai and anthropic SDKs as clients: choices, seeds, stops, logprobs across the
+prefill -> decode hand-over, JSON schema and tool calls whose grammar the engines enforce, and the
+Messages / Responses streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import anthropic
+import jsonschema
+import openai
+import pytest
+
+from tests.cluster import running_cluster
+
+MODEL = "SmolLM2-135M-Instruct"
+ASK = [{"role": "user", "content": "Tell me a short story about a cat."}]
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["engineer", "doctor", "artist", "teacher"]},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 15}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["name", "age", "role", "address", "skills"],
+    "additionalProperties": False,
+}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+             "required": ["a", "b"], "additionalProperties": False}}}]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with running_cluster("", encoders=0, prefills=1, decodes=1, kv_cache_gib=0.2, device="cpu") as running:
+        yield running
+
+
+@pytest.fixture
+def client(cluster):
+    with openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
+        yield client
+
+
+@pytest.mark.slow
+def test_streams_seeds_choices_stops(client, cluster):
+    params = dict(model=MODEL, messages=ASK, max_tokens=24, temperature=0.8, seed=11)
+    full = client.chat.completions.create(**params)
+    chunks = list(client.chat.completions.create(**params, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    three = client.chat.completions.create(**{**params, "seed": 5}, n=3)
+    again = client.chat.completions.create(**{**params, "seed": 5}, n=3)
+    texts = [c.message.content for c in three.choices]
+    assert texts == [c.message.content for c in again.choices] and len(set(texts)) > 1
+    assert three.choices[0].message.content == client.chat.completions.create(**{**params, "seed": 5}).choices[0].message.content
+    greedy = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=24, temperature=0).choices[0]
+    word = greedy.message.content.split()[3]
+    cut = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=24, temperature=0, stop=[word]).choices[0]
+    assert cut.finish_reason == "stop" and greedy.message.content.startswith(cut.message.content)
+    assert word not in cut.message.content
+    assert cluster.leftovers() == []
+
+
+@pytest.mark.slow
+def test_logprobs_cross_the_handoff(client):
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens  # the first token's came from prefill
+    assert b"".join(bytes(e.bytes) for e in content).decode() == reply.choices[0].message.content
+    for entry in content:  # greedy: each token is its step's most likely
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-4) and entry.logprob <= 0
+
+
+async def _generate_all(url: str, requests: list[dict]) -> list:
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900) as client:
+        return await asyncio.gather(*(client.chat.completions.create(**r) for r in requests))
+
+
+@pytest.mark.slow
+def test_fifty_json_schema_generations_validate(cluster):
+    ask = [{"role": "user", "content": "Invent a person and describe them as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    requests = [dict(model=MODEL, messages=ask, n=10, seed=seed, temperature=0.7, max_tokens=160,
+                     response_format=fmt) for seed in range(0, 50, 10)]
+    replies = asyncio.run(_generate_all(cluster.url, requests))
+    choices = [c for r in replies for c in r.choices]
+    assert len(choices) == 50
+    for choice in choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    assert len({c.message.content for c in choices}) > 10
+    assert cluster.leftovers() == []
+
+
+@pytest.mark.slow
+def test_twenty_tool_calls_have_valid_arguments(cluster, client):
+    ask = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+    requests = [dict(model=MODEL, messages=ask, n=10, seed=seed, temperature=0.7, max_tokens=80, tools=TOOLS,
+                     tool_choice="required") for seed in (0, 10)]
+    calls = [call for r in asyncio.run(_generate_all(cluster.url, requests)) for c in r.choices
+             for call in c.message.tool_calls or ()]
+    assert len(calls) == 20
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    named = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=80, tools=TOOLS,
+                                           tool_choice={"type": "function", "function": {"name": "add"}})
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
+    auto = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=80, tools=TOOLS, temperature=0)
+    for call in auto.choices[0].message.tool_calls or ():  # the model may answer in words instead
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+@pytest.mark.slow
+def test_regex_grammar_and_bad_constraints(client):
+    digits = client.completions.create(model=MODEL, prompt="My phone number is", max_tokens=20,
+                                       extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}})
+    assert digits.choices[0].text[3] == "-" and len(digits.choices[0].text) == 8
+    grammar = 'root ::= "yes" | "no"'
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Is water wet?"}],
+                                            max_tokens=5, extra_body={"structured_outputs": {"grammar": grammar}})
+    assert answer.choices[0].message.content in ("yes", "no")
+    for extra, words in (({"structured_outputs": {"regex": "(a"}}, "structured_outputs"),
+                         ({"structured_outputs": {"grammar": "root ::= missing"}}, "missing"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {
+                             "name": "x", "schema": {"type": "object", "required": 5}}}}, "response_format")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, extra_body=extra)
+        assert words in info.value.body["message"]
+
+
+@pytest.mark.slow
+def test_messages_and_responses_streams(cluster):
+    claude = anthropic.Anthropic(base_url=cluster.url, api_key="unused", max_retries=0, timeout=600)
+    with claude.messages.stream(model=MODEL, max_tokens=16, messages=ASK) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
+    tool = {"name": "get_weather", "description": "The weather in a city", "input_schema": WEATHER}
+    reply = claude.messages.create(model=MODEL, max_tokens=80, tools=[tool], tool_choice={"type": "any"},
+                                   messages=[{"role": "user", "content": "Weather in Oslo?"}])
+    assert reply.stop_reason == "tool_use" and reply.content[-1].type == "tool_use"
+    jsonschema.validate(reply.content[-1].input, WEATHER)
+    assert final.content[0].text
+    with openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
+        events = list(client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=12, stream=True))
+        assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+        assert [e.sequence_number for e in events] == list(range(len(events)))

@@ -1,0 +1,152 @@
+"""n choices, logprobs, tools and output constraints through the official SDKs, over a scripted
+backend (the grammar itself is the engine's: tests/unit/engine/test_structured.py)."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import openai
+import pytest
+
+from services.common.errors import InvalidRequestError
+from services.router.tools import ToolPlan, anthropic_plan, check_tool
+from tests.unit.router.conftest import SCRIPT_TEXT
+from tests.unit.router.fakes import openai_error
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+
+
+def test_n_choices_fork_with_seeds_and_stream_side_by_side(client, backend):
+    reply = client.chat.completions.create(model="test-model", messages=MESSAGES, n=3, seed=7)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert all(c.message.content == SCRIPT_TEXT for c in reply.choices)
+    assert [r.params.seed for r in backend.requests] == [7, 8, 9]
+    assert [r.request_id for r in backend.requests] == [f"{reply.id}-{i}" for i in range(3)]
+    one = len(backend.script) + 1
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(backend.requests[0].prompt_token_ids), 3 * one)
+    chunks = list(client.chat.completions.create(model="test-model", messages=MESSAGES, n=3, stream=True,
+                                                 stream_options={"include_usage": True}))
+    for index in range(3):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "stop"
+        assert "".join(c.delta.content or "" for c in mine) == SCRIPT_TEXT
+    assert chunks[-1].usage.completion_tokens == 3 * one
+    completion = client.completions.create(model="test-model", prompt="Say", n=2, max_tokens=4)
+    assert [c.index for c in completion.choices] == [0, 1] and completion.usage.completion_tokens == 8
+
+
+def test_logprobs_chat_and_completions(client, backend, tokenizer):
+    reply = client.chat.completions.create(model="test-model", messages=MESSAGES, logprobs=True, top_logprobs=2)
+    content = reply.choices[0].logprobs.content
+    assert [e.logprob for e in content] == [-t / 1000 for t in backend.script]  # EOS is not shown
+    assert b"".join(bytes(e.bytes) for e in content).decode() == SCRIPT_TEXT
+    first = content[0]
+    assert [t.logprob for t in first.top_logprobs] == [first.logprob, first.logprob - 1]
+    assert first.top_logprobs[0].token == first.token
+    chunks = list(client.chat.completions.create(model="test-model", messages=MESSAGES, logprobs=True, stream=True))
+    streamed = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == [e.logprob for e in content]
+    assert client.chat.completions.create(model="test-model", messages=MESSAGES).choices[0].logprobs is None
+    completion = client.completions.create(model="test-model", prompt="Say", max_tokens=5, logprobs=1)
+    lp = completion.choices[0].logprobs
+    assert lp.token_logprobs == [-t / 1000 for t in backend.script[:5]]
+    assert "".join(lp.tokens) == completion.choices[0].text and lp.text_offset[0] == 0
+    assert all(len(top) == 1 for top in lp.top_logprobs)
+
+
+@pytest.fixture
+def call_backend(make_backend):
+    return make_backend('{"name": "get_weather", "arguments": {"city": "Paris"}}')
+
+
+def test_forced_tool_call_is_parsed_and_constrained(serve, call_backend):
+    with openai.OpenAI(base_url=f"{serve(call_backend)}/v1", api_key="x", max_retries=0) as client:
+        reply = client.chat.completions.create(model="test-model", messages=MESSAGES, tools=[WEATHER],
+                                               tool_choice="required")
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [call] = choice.message.tool_calls
+        assert call.id.startswith("call_") and call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        structured = call_backend.requests[0].params.structured
+        assert structured.kind == "json_schema" and json.loads(structured.spec)["properties"]["name"] == {"const": "get_weather"}
+        chunks = list(client.chat.completions.create(model="test-model", messages=MESSAGES, tools=[WEATHER],
+                                                     tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                                     stream=True))
+        calls = [c for chunk in chunks for c in (chunk.choices[0].delta.tool_calls or [])]
+        assert [c.function.name for c in calls] == ["get_weather"] and chunks[-1].choices[0].finish_reason == "tool_calls"
+        # The next turn carries the call and its result back into the prompt.
+        follow = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                  {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        client.chat.completions.create(model="test-model", messages=follow, tools=[WEATHER])
+        prompt = call_backend.tokenizer.decode(call_backend.requests[-1].prompt_token_ids, skip_special_tokens=False)
+        assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in prompt
+        assert "<tool_response>\nsunny\n</tool_response>" in prompt and "<tools>" in prompt
+        assert call_backend.requests[-1].params.structured.kind == "structural_tag"
+
+
+def test_auto_tool_calls_split_text_from_calls():
+    plan = ToolPlan((check_tool("get_weather", "", {"type": "object"}, "tools[0]"),), "auto")
+    text = 'Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    content, [call] = plan.parse(text, "call_")
+    assert content == "Let me check." and call.arguments == {"city": "Oslo"}
+    assert plan.parse("Just text", "call_") == ("Just text", [])
+    cut = 'x <tool_call>{"name": "get_weather", "argu'
+    assert plan.parse(cut, "call_") == (cut, [])  # cut by max_tokens: stays text
+    spec = json.loads(plan.structured().spec)
+    assert spec["triggers"] == ["<tool_call>"] and spec["tags"][0]["begin"].startswith('<tool_call>{"name": "get_weather"')
+
+
+def test_tool_and_format_errors_are_400(client):
+    chat = client.chat.completions.create
+    openai_error(lambda: chat(model="test-model", messages=MESSAGES, tools=[WEATHER],
+                              tool_choice={"type": "function", "function": {"name": "nope"}}), "'nope'")
+    openai_error(lambda: chat(model="test-model", messages=MESSAGES, tools=[WEATHER, WEATHER]), "unique")
+    openai_error(lambda: chat(model="test-model", messages=MESSAGES, tools=[WEATHER],
+                              response_format={"type": "json_object"}), "only one output constraint")
+    openai_error(lambda: chat(model="test-model", messages=MESSAGES, response_format={"type": "xml"}), "'xml'")
+    openai_error(lambda: chat(model="test-model", messages=MESSAGES, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}), "response_format")
+    openai_error(lambda: chat(model="test-model", messages=MESSAGES,
+                              extra_body={"structured_outputs": {"regex": "(unclosed"}}), "structured_outputs")
+    openai_error(lambda: chat(model="test-model", messages=MESSAGES,
+                              extra_body={"structured_outputs": {"regex": "a", "grammar": "b"}}), "exactly one")
+
+
+def test_output_constraints_reach_the_engine(client, backend):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    chat = client.chat.completions.create
+    chat(model="test-model", messages=MESSAGES, response_format={"type": "json_schema",
+                                                                 "json_schema": {"name": "s", "schema": schema}})
+    chat(model="test-model", messages=MESSAGES, response_format={"type": "json_object"})
+    chat(model="test-model", messages=MESSAGES, extra_body={"structured_outputs": {"choice": ["yes", "no."]}})
+    client.completions.create(model="test-model", prompt="x", extra_body={"structured_outputs": {"regex": "[0-9]+"}})
+    got = [(r.params.structured.kind, r.params.structured.spec) for r in backend.requests]
+    assert got == [("json_schema", json.dumps(schema)), ("json_object", ""), ("regex", r"yes|no\."),
+                   ("regex", "[0-9]+")]
+
+
+def test_anthropic_tool_use(serve, call_backend):
+    client = anthropic.Anthropic(base_url=serve(call_backend), api_key="x", max_retries=0)
+    tool = {"name": "get_weather", "description": "Weather", "input_schema": WEATHER["function"]["parameters"]}
+    reply = client.messages.create(model="test-model", max_tokens=100, messages=MESSAGES, tools=[tool],
+                                   tool_choice={"type": "any"})
+    assert reply.stop_reason == "tool_use"
+    [block] = reply.content
+    assert block.type == "tool_use" and block.name == "get_weather" and block.input == {"city": "Paris"}
+    assert block.id.startswith("toolu_")
+    with client.messages.stream(model="test-model", max_tokens=100, messages=MESSAGES, tools=[tool],
+                                tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and final.content[0].input == {"city": "Paris"}
+    follow = [*MESSAGES, {"role": "assistant", "content": [block.model_dump()]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "sunny"}]}]
+    client.messages.create(model="test-model", max_tokens=100, messages=follow, tools=[tool])
+    prompt = call_backend.tokenizer.decode(call_backend.requests[-1].prompt_token_ids, skip_special_tokens=False)
+    assert "<tool_response>\nsunny\n</tool_response>" in prompt and '"city": "Paris"' in prompt
+    with pytest.raises(InvalidRequestError, match="tool_choice needs tools"):
+        anthropic_plan([], {"type": "any"})
