@@ -15,7 +15,8 @@ Supported (``POST /v1/messages`` and ``POST /v1/messages/count_tokens``):
 * ``tools`` (client tools with an ``input_schema``) and ``tool_choice`` (``auto``, ``any``, ``tool``,
   ``none``): the output is constrained by the tools' schemas (services/router/tools.py) and parsed
   into ``tool_use`` blocks; earlier ``tool_use`` / ``tool_result`` blocks go back into the prompt. A
-  stream with tools sends its blocks when the output is complete (text and JSON in one delta each).
+  stream sends a text block while there is text, then a ``tool_use`` block per call whose input
+  streams as ``input_json_delta`` pieces (tools.ToolStream).
 * ``stop_reason``: ``end_turn`` (EOS), ``max_tokens``, ``tool_use``, or ``stop_sequence`` with the
   matched ``stop_sequence``. ``usage.cache_read_input_tokens`` are the prompt tokens served from the KV
   cache; ``cache_creation_input_tokens`` is always 0 (caching is automatic, never billed apart).
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -43,7 +44,7 @@ from services.router.backend import Backend, GenerateRequest
 from services.router.openai_api import OutputText, Prompt, invalid
 from services.router.openai_models import (ChatMessage, ContentPart, FunctionCall, ImageURL, MessageToolCall,
                                            SamplingFields)
-from services.router.tools import ToolPlan, anthropic_plan
+from services.router.tools import CallStart, StreamEvent, TextPiece, ToolPlan, ToolStream, anthropic_plan
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -210,7 +211,9 @@ class MessagesFormat:
     id: str
     model: str
     tools: ToolPlan | None = None
-    """The request offered tools: the text may be calls, so a stream holds it back to the end."""
+    """The request offered tools: the text may be calls (tools.ToolStream says when it is)."""
+    _stream: dict = field(default_factory=dict, compare=False)
+    """A stream's state: its ToolStream, the open block's index, the next block's index."""
     terminator: ClassVar[bytes] = b""
     n: ClassVar[int] = 1
 
@@ -222,10 +225,9 @@ class MessagesFormat:
         blocks = [{"type": "text", "text": text}] if text or not calls else []
         return blocks + [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in calls], bool(calls)
 
-    def _stop(self, out: OutputText) -> tuple[str, str | None]:
-        """stop_reason and stop_sequence."""
-        if self.tools is not None and self._content(out)[1]:
-            return "tool_use", None
+    @staticmethod
+    def _stop(out: OutputText) -> tuple[str, str | None]:
+        """stop_reason and stop_sequence of an output that is not a call."""
         if out.finish_reason == "length":
             return "max_tokens", None
         if isinstance(out.stop_reason, str):
@@ -265,22 +267,39 @@ class MessagesFormat:
         return "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
 
     def text_events(self, out: OutputText, text: str) -> list[tuple[str | None, dict]]:
-        if self.tools is not None:
-            return []  # held back: it may be a call
-        return [self._delta(0, {"type": "text_delta", "text": text})]
+        if self.tools is None:
+            return [self._delta(0, {"type": "text_delta", "text": text})]
+        return self._tool_events(self._tool_stream().add(text))
 
-    def _held_blocks(self, out: OutputText) -> list[tuple[str | None, dict]]:
-        """With tools, every block at the end: text as one delta, each call's input as one JSON delta."""
+    def _tool_stream(self) -> ToolStream:
+        return self._stream.setdefault("tools", self.tools.stream("toolu_"))
+
+    def _tool_events(self, pieces: list[StreamEvent]) -> list[tuple[str | None, dict]]:
+        """With tools: a text block while there is text, then a tool_use block per call whose
+        input streams as JSON text."""
         events = []
-        for index, block in enumerate(self._content(out)[0]):
-            if block["type"] == "text":
-                events += [self._block_start(index, {"type": "text", "text": ""}),
-                           self._delta(index, {"type": "text_delta", "text": block["text"]})]
+        for piece in pieces:
+            if isinstance(piece, CallStart):
+                events += self._close_block()
+                events += self._open_block({"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}})
+            elif not piece.text:
+                continue
+            elif isinstance(piece, TextPiece):
+                if "open" not in self._stream:
+                    events += self._open_block({"type": "text", "text": ""})
+                events.append(self._delta(self._stream["open"], {"type": "text_delta", "text": piece.text}))
             else:
-                events += [self._block_start(index, {**block, "input": {}}),
-                           self._delta(index, {"type": "input_json_delta", "partial_json": json.dumps(block["input"])})]
-            events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+                events.append(self._delta(self._stream["open"], {"type": "input_json_delta", "partial_json": piece.text}))
         return events
+
+    def _open_block(self, block: dict) -> list[tuple[str | None, dict]]:
+        index = self._stream["open"] = self._stream.get("next", 0)
+        self._stream["next"] = index + 1
+        return [self._block_start(index, block)]
+
+    def _close_block(self) -> list[tuple[str | None, dict]]:
+        index = self._stream.pop("open", None)
+        return [] if index is None else [("content_block_stop", {"type": "content_block_stop", "index": index})]
 
     def choice_end_events(self, out: OutputText) -> list[tuple[str | None, dict]]:
         return []
@@ -288,8 +307,13 @@ class MessagesFormat:
     def end_events(self, outs: list[OutputText]) -> list[tuple[str | None, dict]]:
         out, = outs
         stop_reason, stop_sequence = self._stop(out)
-        blocks = self._held_blocks(out) if self.tools is not None else [
-            ("content_block_stop", {"type": "content_block_stop", "index": 0})]
+        if self.tools is None:
+            blocks = [("content_block_stop", {"type": "content_block_stop", "index": 0})]
+        else:
+            stream = self._tool_stream()
+            blocks = self._tool_events(stream.finish(out.text)) + self._close_block()
+            if stream.has_calls:
+                stop_reason, stop_sequence = "tool_use", None
         return [*blocks,
                 ("message_delta", {"type": "message_delta",
                                    "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},

@@ -4,8 +4,8 @@ drives each protocol with one loop.
 
 Both carry ``n`` choices, each token's logprobs when asked (chat: ``logprobs.content``; completions:
 the legacy ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset`` lists), and chat
-turns the text into ``tool_calls`` when the request offered tools. A stream with tools holds the
-text back until the choice ends, because only then is it known to be a call.
+turns the text into ``tool_calls`` when the request offered tools; a stream sends them as
+``tool_calls`` deltas (id and name, then the arguments in pieces) as tools.ToolStream finds them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from services.common.sampling_params import TokenLogprobs
 from services.router.openai_api import OutputText, usage_of
-from services.router.tools import ToolPlan
+from services.router.tools import CallStart, StreamEvent, TextPiece, ToolPlan, ToolStream
 
 Event = tuple[str | None, dict]
 
@@ -73,7 +73,9 @@ class _OpenAIFormat:
 @dataclass(frozen=True)
 class ChatFormat(_OpenAIFormat):
     tools: ToolPlan | None = None
-    """The request offered tools: the text may be calls."""
+    """The request offered tools: the text may be calls (tools.ToolStream says when it is)."""
+    tool_streams: dict[int, ToolStream] = field(default_factory=dict, compare=False)
+    """Per streamed choice."""
 
     @staticmethod
     def object_name(final: bool) -> str:
@@ -98,8 +100,28 @@ class ChatFormat(_OpenAIFormat):
 
     def text_events(self, out: OutputText, text: str) -> list[Event]:
         if self.tools is not None:
-            return []  # held back until the choice ends: it may be a call
+            return self._tool_events(out, self._tool_stream(out).add(text))
         return [(None, self._chunk(out, {"content": text}, logprobs=self._logprobs(out, out.take_logprobs())))]
+
+    def _tool_stream(self, out: OutputText) -> ToolStream:
+        return self.tool_streams.setdefault(out.index, self.tools.stream("call_"))
+
+    def _tool_events(self, out: OutputText, pieces: list[StreamEvent]) -> list[Event]:
+        """Content deltas, and tool_calls deltas as OpenAI streams them: the call's id and name
+        first (arguments ""), then pieces of its arguments."""
+        events = []
+        for piece in pieces:
+            if isinstance(piece, CallStart):
+                delta = {"tool_calls": [{"index": piece.index, "id": piece.id, "type": "function",
+                                         "function": {"name": piece.name, "arguments": ""}}]}
+            elif not piece.text:
+                continue
+            elif isinstance(piece, TextPiece):
+                delta = {"content": piece.text}
+            else:
+                delta = {"tool_calls": [{"index": piece.index, "function": {"arguments": piece.text}}]}
+            events.append((None, self._chunk(out, delta, logprobs=self._logprobs(out, out.take_logprobs()))))
+        return events
 
     def _message(self, out: OutputText) -> tuple[dict, str]:
         """The choice's message and finish_reason."""
@@ -114,16 +136,14 @@ class ChatFormat(_OpenAIFormat):
         return message, "tool_calls"
 
     def choice_end_events(self, out: OutputText) -> list[Event]:
-        events = []
-        finish_reason = out.finish_reason
-        if self.tools is not None:
-            message, finish_reason = self._message(out)
-            delta = {key: message[key] for key in ("content", "tool_calls") if message.get(key)}
-            if "tool_calls" in delta:
-                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
-            if delta or self.logprobs:
-                events.append((None, self._chunk(out, delta, logprobs=self._logprobs(out, out.take_logprobs()))))
-        return [*events, (None, self._chunk(out, {}, finish_reason))]
+        if self.tools is None:
+            return [(None, self._chunk(out, {}, out.finish_reason))]
+        stream = self._tool_stream(out)
+        events = self._tool_events(out, stream.finish(out.text))
+        left = out.take_logprobs()  # of tokens whose text is still held (a call's closing brace)
+        logprobs = self._logprobs(out, left) if left else None
+        return [*events, (None, self._chunk(out, {}, "tool_calls" if stream.has_calls else out.finish_reason,
+                                            logprobs))]
 
     def full_choice(self, out: OutputText) -> dict:
         message, finish_reason = self._message(out)

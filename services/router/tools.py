@@ -17,6 +17,7 @@ results spelled in the same convention.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 
@@ -124,7 +125,123 @@ class ToolPlan:
             rest = rest[end + len(END):]
         if not calls:
             return text, []
-        return content.rstrip(), calls
+        return content, calls
+
+    def stream(self, id_prefix: str) -> ToolStream:
+        return ToolStream(self, id_prefix)
+
+
+@dataclass(frozen=True)
+class TextPiece:
+    text: str
+
+
+@dataclass(frozen=True)
+class CallStart:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgumentsPiece:
+    index: int
+    text: str
+    """The next piece of the call's arguments, as JSON text."""
+
+
+StreamEvent = TextPiece | CallStart | ArgumentsPiece
+_HEAD = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
+
+
+class ToolStream:
+    """One choice's output with tools, as it streams: text and calls as they become certain.
+
+    The grammar spells every call ``{"name": "<name>", "arguments": <JSON>}`` (JSON laid out like
+    ``json.dumps``), so a call is announced as soon as its name is complete and its arguments then
+    stream as they come, holding back only what may still turn out to be the call's closing
+    ``}`` (and, with ``auto``, ``</tool_call>``) or the start of a ``<tool_call>``. Text after the
+    first call is dropped, as :meth:`ToolPlan.parse` drops it. Should the output not look like
+    that, everything is held to the end and :meth:`ToolPlan.parse` decides.
+    """
+
+    def __init__(self, plan: ToolPlan, id_prefix: str) -> None:
+        self.plan, self.id_prefix = plan, id_prefix
+        self.buffer = ""
+        self.num_calls = 0
+        self.in_call = False
+        self.is_held = False
+        """The output went off the expected shape: held to the end."""
+        self.has_calls = False
+        self.num_text_chars = 0
+        """Text handed out so far."""
+
+    @property
+    def _end(self) -> str:
+        return "}" if self.plan.is_forced else "}" + END
+
+    def add(self, text: str) -> list[StreamEvent]:
+        events = self._add(text)
+        self.num_text_chars += sum(len(e.text) for e in events if isinstance(e, TextPiece))
+        return events
+
+    def _add(self, text: str) -> list[StreamEvent]:
+        self.buffer += text
+        events: list[StreamEvent] = []
+        while not self.is_held:
+            if self.in_call:
+                end = self.buffer.find(self._end) if not self.plan.is_forced else -1
+                if end >= 0:  # auto: the call is complete
+                    events.append(ArgumentsPiece(self.num_calls - 1, self.buffer[:end]))
+                    self.buffer, self.in_call = self.buffer[end + len(self._end):], False
+                    continue
+                safe = len(self.buffer) - len(self._end)
+                if safe > 0:
+                    events.append(ArgumentsPiece(self.num_calls - 1, self.buffer[:safe]))
+                    self.buffer = self.buffer[safe:]
+                return events
+            begin = 0 if self.plan.is_forced else self.buffer.find(BEGIN)
+            if begin < 0:  # auto, no call (yet): text, but not what may start a <tool_call>
+                keep = next((n for n in range(min(len(BEGIN) - 1, len(self.buffer)), 0, -1)
+                             if BEGIN.startswith(self.buffer[-n:])), 0)
+                if not self.has_calls and len(self.buffer) > keep:
+                    events.append(TextPiece(self.buffer[:len(self.buffer) - keep]))
+                self.buffer = self.buffer[len(self.buffer) - keep:] if keep else ""
+                return events
+            if begin > 0 and not self.has_calls:
+                events.append(TextPiece(self.buffer[:begin]))
+            head_at = begin + (0 if self.plan.is_forced else len(BEGIN))
+            self.buffer = self.buffer[begin:]
+            match = _HEAD.match(self.buffer, head_at - begin)
+            if match is None:
+                if len(self.buffer) - (head_at - begin) >= len('{"name": "'):
+                    if not self.buffer[head_at - begin:].startswith('{"name": "'):
+                        self.is_held = True
+                return events
+            name = json.loads(match.group(1))
+            if self.num_calls and self.plan.is_forced:
+                self.is_held = True
+                return events
+            events.append(CallStart(self.num_calls, new_call_id(self.id_prefix), name))
+            self.num_calls += 1
+            self.has_calls = self.in_call = True
+            self.buffer = self.buffer[match.end():]
+        return events
+
+    def finish(self, full_text: str) -> list[StreamEvent]:
+        """What is left once the output is complete (``full_text``: all of it)."""
+        if self.is_held:
+            content, calls = self.plan.parse(full_text, self.id_prefix)
+            content = content[self.num_text_chars:]
+            events: list[StreamEvent] = [TextPiece(content)] if content else []
+            for i, call in enumerate(calls):
+                events += [CallStart(i, call.id, call.name), ArgumentsPiece(i, call.arguments_json)]
+            self.has_calls = bool(calls)
+            return events
+        if self.in_call:  # forced: the closing brace; or a call cut short (it stays cut)
+            rest = self.buffer[:-1] if self.plan.is_forced and self.buffer.endswith("}") else self.buffer
+            return [ArgumentsPiece(self.num_calls - 1, rest)] if rest else []
+        return [TextPiece(self.buffer)] if self.buffer and not self.has_calls else []
 
 
 def render_call(name: str, arguments: dict | str) -> str:

@@ -120,6 +120,11 @@ def test_twenty_tool_calls_have_valid_arguments(cluster, client):
                                            tool_choice={"type": "function", "function": {"name": "add"}})
     [call] = named.choices[0].message.tool_calls
     assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ask, max_tokens=80, tools=TOOLS, stream=True,
+                                                 tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    pieces = [c for chunk in chunks if chunk.choices for c in chunk.choices[0].delta.tool_calls or ()]
+    assert pieces[0].function.name == "get_weather" and len(pieces) > 2  # the arguments stream in pieces
+    jsonschema.validate(json.loads("".join(p.function.arguments for p in pieces)), WEATHER)
     auto = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=80, tools=TOOLS, temperature=0)
     for call in auto.choices[0].message.tool_calls or ():  # the model may answer in words instead
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
@@ -145,14 +150,14 @@ def test_regex_grammar_and_bad_constraints(client):
 
 @pytest.mark.slow
 def test_messages_and_responses_streams(cluster):
-    claude = anthropic.Anthropic(base_url=cluster.url, api_key="unused", max_retries=0, timeout=600)
-    with claude.messages.stream(model=MODEL, max_tokens=16, messages=ASK) as stream:
-        kinds = [event.type for event in stream]
-        final = stream.get_final_message()
-    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
     tool = {"name": "get_weather", "description": "The weather in a city", "input_schema": WEATHER}
-    reply = claude.messages.create(model=MODEL, max_tokens=80, tools=[tool], tool_choice={"type": "any"},
-                                   messages=[{"role": "user", "content": "Weather in Oslo?"}])
+    with anthropic.Anthropic(base_url=cluster.url, api_key="unused", max_retries=0, timeout=600) as claude:
+        with claude.messages.stream(model=MODEL, max_tokens=16, messages=ASK) as stream:
+            kinds = [event.type for event in stream]
+            final = stream.get_final_message()
+        reply = claude.messages.create(model=MODEL, max_tokens=80, tools=[tool], tool_choice={"type": "any"},
+                                       messages=[{"role": "user", "content": "Weather in Oslo?"}])
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
     assert reply.stop_reason == "tool_use" and reply.content[-1].type == "tool_use"
     jsonschema.validate(reply.content[-1].input, WEATHER)
     assert final.content[0].text

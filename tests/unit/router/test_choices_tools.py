@@ -78,7 +78,12 @@ def test_forced_tool_call_is_parsed_and_constrained(serve, call_backend):
                                                      tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                                      stream=True))
         calls = [c for chunk in chunks for c in (chunk.choices[0].delta.tool_calls or [])]
-        assert [c.function.name for c in calls] == ["get_weather"] and chunks[-1].choices[0].finish_reason == "tool_calls"
+        # Streamed as OpenAI does: id and name first, then the arguments piece by piece.
+        assert (calls[0].id.startswith("call_"), calls[0].function.name, calls[0].function.arguments) == (True, "get_weather", "")
+        assert len(calls) > 3 and all(c.index == 0 and c.id is None for c in calls[1:])
+        assert json.loads("".join(c.function.arguments for c in calls)) == {"city": "Paris"}
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert all(not chunk.choices[0].delta.content for chunk in chunks)
         # The next turn carries the call and its result back into the prompt.
         follow = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                   {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
@@ -89,11 +94,36 @@ def test_forced_tool_call_is_parsed_and_constrained(serve, call_backend):
         assert call_backend.requests[-1].params.structured.kind == "structural_tag"
 
 
+def test_auto_tool_calls_stream_text_then_calls(serve, make_backend):
+    text = 'Let me check <that>.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    backend = make_backend(text)
+    with openai.OpenAI(base_url=f"{serve(backend)}/v1", api_key="x", max_retries=0) as client:
+        full = client.chat.completions.create(model="test-model", messages=MESSAGES, tools=[WEATHER]).choices[0]
+        chunks = list(client.chat.completions.create(model="test-model", messages=MESSAGES, tools=[WEATHER], stream=True))
+    assert full.message.content == "Let me check <that>.\n" and full.finish_reason == "tool_calls"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.message.content
+    calls = [c for chunk in chunks for c in (chunk.choices[0].delta.tool_calls or [])]
+    assert calls[0].function.name == "get_weather"
+    assert json.loads("".join(c.function.arguments for c in calls)) == json.loads(full.message.tool_calls[0].function.arguments)
+    with anthropic.Anthropic(base_url=serve(backend), api_key="x", max_retries=0) as claude:
+        tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+        with claude.messages.stream(model="test-model", max_tokens=100, messages=MESSAGES, tools=[tool]) as stream:
+            starts = [e.content_block.type for e in stream if e.type == "content_block_start"]
+            message = stream.get_final_message()
+    assert starts == ["text", "tool_use"] and message.stop_reason == "tool_use"
+    assert message.content[0].text == "Let me check <that>.\n" and message.content[1].input == {"city": "Oslo"}
+    plain = make_backend("No call <here>, just text.")
+    with openai.OpenAI(base_url=f"{serve(plain)}/v1", api_key="x", max_retries=0) as client:
+        chunks = list(client.chat.completions.create(model="test-model", messages=MESSAGES, tools=[WEATHER], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "No call <here>, just text."
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_auto_tool_calls_split_text_from_calls():
     plan = ToolPlan((check_tool("get_weather", "", {"type": "object"}, "tools[0]"),), "auto")
     text = 'Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
     content, [call] = plan.parse(text, "call_")
-    assert content == "Let me check." and call.arguments == {"city": "Oslo"}
+    assert content == "Let me check.\n" and call.arguments == {"city": "Oslo"}
     assert plan.parse("Just text", "call_") == ("Just text", [])
     cut = 'x <tool_call>{"name": "get_weather", "argu'
     assert plan.parse(cut, "call_") == (cut, [])  # cut by max_tokens: stays text
@@ -131,22 +161,24 @@ def test_output_constraints_reach_the_engine(client, backend):
 
 
 def test_anthropic_tool_use(serve, call_backend):
-    client = anthropic.Anthropic(base_url=serve(call_backend), api_key="x", max_retries=0)
-    tool = {"name": "get_weather", "description": "Weather", "input_schema": WEATHER["function"]["parameters"]}
-    reply = client.messages.create(model="test-model", max_tokens=100, messages=MESSAGES, tools=[tool],
-                                   tool_choice={"type": "any"})
-    assert reply.stop_reason == "tool_use"
-    [block] = reply.content
-    assert block.type == "tool_use" and block.name == "get_weather" and block.input == {"city": "Paris"}
-    assert block.id.startswith("toolu_")
-    with client.messages.stream(model="test-model", max_tokens=100, messages=MESSAGES, tools=[tool],
-                                tool_choice={"type": "tool", "name": "get_weather"}) as stream:
-        final = stream.get_final_message()
-    assert final.stop_reason == "tool_use" and final.content[0].input == {"city": "Paris"}
-    follow = [*MESSAGES, {"role": "assistant", "content": [block.model_dump()]},
-              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "sunny"}]}]
-    client.messages.create(model="test-model", max_tokens=100, messages=follow, tools=[tool])
-    prompt = call_backend.tokenizer.decode(call_backend.requests[-1].prompt_token_ids, skip_special_tokens=False)
-    assert "<tool_response>\nsunny\n</tool_response>" in prompt and '"city": "Paris"' in prompt
+    with anthropic.Anthropic(base_url=serve(call_backend), api_key="x", max_retries=0) as client:
+        tool = {"name": "get_weather", "description": "Weather", "input_schema": WEATHER["function"]["parameters"]}
+        reply = client.messages.create(model="test-model", max_tokens=100, messages=MESSAGES, tools=[tool],
+                                       tool_choice={"type": "any"})
+        assert reply.stop_reason == "tool_use"
+        [block] = reply.content
+        assert block.type == "tool_use" and block.name == "get_weather" and block.input == {"city": "Paris"}
+        assert block.id.startswith("toolu_")
+        with client.messages.stream(model="test-model", max_tokens=100, messages=MESSAGES, tools=[tool],
+                                    tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+            deltas = [e.delta.partial_json for e in stream if e.type == "content_block_delta"]
+            final = stream.get_final_message()
+        assert final.stop_reason == "tool_use" and final.content[0].input == {"city": "Paris"}
+        assert len(deltas) > 3 and json.loads("".join(deltas)) == {"city": "Paris"}  # the input streams
+        follow = [*MESSAGES, {"role": "assistant", "content": [block.model_dump()]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "sunny"}]}]
+        client.messages.create(model="test-model", max_tokens=100, messages=follow, tools=[tool])
+        prompt = call_backend.tokenizer.decode(call_backend.requests[-1].prompt_token_ids, skip_special_tokens=False)
+        assert "<tool_response>\nsunny\n</tool_response>" in prompt and '"city": "Paris"' in prompt
     with pytest.raises(InvalidRequestError, match="tool_choice needs tools"):
         anthropic_plan([], {"type": "any"})
