@@ -258,23 +258,36 @@ def render_result(content: str) -> str:
     return f"<tool_response>\n{content}\n</tool_response>"
 
 
-def openai_plan(tools, tool_choice) -> ToolPlan | None:
-    """Chat completions' ``tools`` / ``tool_choice`` (None: no tools in play)."""
-    if tool_choice == "none":
-        return None
-    if not tools:
-        if tool_choice not in (None, "auto"):
-            raise invalid("tool_choice needs tools", "tool_choice")
-        return None
-    checked = tuple(check_tool(t.function.name, t.function.description, t.function.parameters, f"tools[{i}].function")
-                    for i, t in enumerate(tools))
+def _openai_style_plan(checked: list[Tool], tool_choice, named: str | None) -> ToolPlan:
+    """``tool_choice`` ``auto`` (or omitted), ``required``, or a named function (``named``: its
+    name, None when the choice does not have the named shape)."""
     if tool_choice in (None, "auto", "required"):
-        return ToolPlan(checked, tool_choice or "auto")
-    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" \
-            and isinstance(tool_choice.get("function"), dict):
-        return ToolPlan(checked, str(tool_choice["function"].get("name")))
+        return ToolPlan(tuple(checked), tool_choice or "auto")
+    if named is not None:
+        return ToolPlan(tuple(checked), named)
     raise invalid(f"tool_choice {tool_choice!r} is invalid: use \"none\", \"auto\", \"required\" or "
-                  f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tool_choice")
+                  f"a named function", "tool_choice")
+
+
+def _has_tools(tools, tool_choice) -> bool:
+    """Whether OpenAI-style ``tools`` / ``tool_choice`` put tools in play."""
+    if tool_choice == "none":
+        return False
+    if not tools and tool_choice not in (None, "auto"):
+        raise invalid("tool_choice needs tools", "tool_choice")
+    return bool(tools)
+
+
+def openai_plan(tools, tool_choice) -> ToolPlan | None:
+    """Chat completions' ``tools`` / ``tool_choice`` (named: ``{"type": "function", "function":
+    {"name"}}``); None: no tools in play."""
+    if not _has_tools(tools, tool_choice):
+        return None
+    checked = [check_tool(t.function.name, t.function.description, t.function.parameters, f"tools[{i}].function")
+               for i, t in enumerate(tools)]
+    is_named = (isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
+                and isinstance(tool_choice.get("function"), dict))
+    return _openai_style_plan(checked, tool_choice, str(tool_choice["function"].get("name")) if is_named else None)
 
 
 def anthropic_plan(tools: list[dict] | None, tool_choice: dict | None) -> ToolPlan | None:
@@ -295,3 +308,18 @@ def anthropic_plan(tools: list[dict] | None, tool_choice: dict | None) -> ToolPl
         checked.append(check_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), f"tools[{i}]"))
     name = {"auto": "auto", "any": "required"}.get(choice_type) or str(tool_choice.get("name"))
     return ToolPlan(tuple(checked), name)
+
+
+def responses_plan(tools: list[dict] | None, tool_choice) -> ToolPlan | None:
+    """The Responses API's flat function tools (``{"type": "function", "name", "parameters"}``)
+    and ``tool_choice`` (named: ``{"type": "function", "name"}``); None: no tools in play."""
+    if not _has_tools(tools, tool_choice):
+        return None
+    checked = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise invalid(f"tools[{i}]: {tool.get('type')!r} tools are not supported (only function tools)",
+                          f"tools[{i}].type")
+        checked.append(check_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), f"tools[{i}]"))
+    is_named = isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
+    return _openai_style_plan(checked, tool_choice, str(tool_choice.get("name")) if is_named else None)

@@ -165,3 +165,9 @@ def test_messages_and_responses_streams(cluster):
         events = list(client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=12, stream=True))
         assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
         assert [e.sequence_number for e in events] == list(range(len(events)))
+        fn = {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": WEATHER}
+        reply = client.responses.create(model=MODEL, input="Weather in Rome?", max_output_tokens=80, tools=[fn],
+                                        tool_choice="required")
+        [call] = reply.output
+        assert call.type == "function_call" and call.name == "get_weather"
+        jsonschema.validate(json.loads(call.arguments), WEATHER)

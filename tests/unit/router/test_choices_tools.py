@@ -182,3 +182,35 @@ def test_anthropic_tool_use(serve, call_backend):
         assert "<tool_response>\nsunny\n</tool_response>" in prompt and '"city": "Paris"' in prompt
     with pytest.raises(InvalidRequestError, match="tool_choice needs tools"):
         anthropic_plan([], {"type": "any"})
+
+
+def test_responses_function_calls(serve, make_backend, call_backend):
+    tool = {"type": "function", "name": "get_weather", "description": "Weather",
+            "parameters": WEATHER["function"]["parameters"]}
+    with openai.OpenAI(base_url=f"{serve(call_backend)}/v1", api_key="x", max_retries=0) as client:
+        reply = client.responses.create(model="test-model", input="Weather in Paris?", tools=[tool],
+                                        tool_choice="required")
+        [call] = reply.output
+        assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Paris"})
+        assert reply.status == "completed" and call.call_id.startswith("call_")
+        events = list(client.responses.create(model="test-model", input="Weather in Paris?", tools=[tool],
+                                              tool_choice={"type": "function", "name": "get_weather"}, stream=True))
+        deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+        assert len(deltas) > 3 and json.loads("".join(deltas)) == {"city": "Paris"}
+        final = events[-1].response
+        assert events[-1].type == "response.completed" and final.output[0].type == "function_call"
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        # The call and its output go back into the next turn's prompt.
+        client.responses.create(model="test-model", tools=[tool], input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": call.call_id, "name": "get_weather", "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+        prompt = call_backend.tokenizer.decode(call_backend.requests[-1].prompt_token_ids, skip_special_tokens=False)
+        assert "<tool_response>\nsunny\n</tool_response>" in prompt and '"city": "Paris"' in prompt
+    mixed = make_backend('Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    with openai.OpenAI(base_url=f"{serve(mixed)}/v1", api_key="x", max_retries=0) as client:
+        events = list(client.responses.create(model="test-model", input="Weather?", tools=[tool], stream=True))
+        reply = client.responses.create(model="test-model", input="Weather?", tools=[tool])
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["message", "function_call"] == [item.type for item in reply.output]
+    assert events[-1].response.output[0].content[0].text == reply.output[0].content[0].text == "Checking."

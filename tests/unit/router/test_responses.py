@@ -126,7 +126,6 @@ def test_extensions_reach_the_backend(client, backend):
 def test_unsupported_and_bad_fields_are_400(client, backend):
     create = client.responses.create
     for kwargs, field in [
-        (dict(tools=[{"type": "function", "name": "f", "parameters": {}}]), "tools"),
         (dict(previous_response_id="resp_123"), "previous_response_id"),
         (dict(reasoning={"effort": "high"}), "reasoning"),
         (dict(extra_body={"n": 2}), "n"),
@@ -136,8 +135,10 @@ def test_unsupported_and_bad_fields_are_400(client, backend):
     image = {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}
     body = openai_error(lambda: create(model="test-model", input=[image]), "'input_image'", "not supported yet")
     assert body["param"] == "input[0].content[0]"
-    openai_error(lambda: create(model="test-model", input=[{"type": "function_call_output", "call_id": "c",
-                                                            "output": "x"}]), "'function_call_output'")
+    openai_error(lambda: create(model="test-model", input=[{"type": "reasoning", "summary": []}]), "'reasoning'")
+    body = openai_error(lambda: create(model="test-model", input=QUESTION, tools=[{"type": "web_search"}]),
+                        "'web_search'", "only function tools")
+    assert body["param"] == "tools[0].type"
     openai_error(lambda: create(model="test-model", input=[{"role": "robot", "content": "x"}]), "'robot'")
     openai_error(lambda: create(model="test-model", input=[]), "input must not be empty")
     openai_error(lambda: create(model="test-model", input=QUESTION, max_output_tokens=0), "max_output_tokens")
