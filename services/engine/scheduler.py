@@ -278,7 +278,9 @@ class Scheduler:
     def _check_stop(self, seq: Sequence, token_id: int) -> None:
         params = seq.params
         can_stop = seq.num_output_tokens >= params.min_tokens
-        if can_stop and not params.ignore_eos and token_id in self.eos_token_ids:
+        # Under a grammar EOS is sampled only once the grammar is complete: nothing can follow it.
+        ends_grammar = seq.grammar is not None and token_id in self.eos_token_ids
+        if ends_grammar or (can_stop and not params.ignore_eos and token_id in self.eos_token_ids):
             self.finish(seq, FinishReason.STOP, release=False)
         elif can_stop and token_id in params.stop_token_ids:
             self.finish(seq, FinishReason.STOP, release=False, stop_reason=token_id)

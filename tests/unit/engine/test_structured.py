@@ -109,9 +109,12 @@ def test_max_tokens_cuts_a_grammar_short_with_length(llm, prompt):
 
 
 def test_a_complete_grammar_wins_over_min_tokens(llm, prompt):
-    # After "ok" only EOS is allowed; min_tokens cannot make anything else possible.
-    out = generate(llm, prompt, StructuredOutput("regex", "ok"), seeds=[0], min_tokens=4)[0]
-    assert out.text == "ok" and out.finish_reason == "stop" and len(out.token_ids) == 4
+    # After "ok" only EOS is allowed; min_tokens cannot make anything else possible, so the first
+    # EOS ends the request (not a run of EOS up to min_tokens).
+    out = generate(llm, prompt, StructuredOutput("regex", "ok"), seeds=[0], min_tokens=8)[0]
+    assert out.text == "ok" and out.finish_reason == "stop"
+    assert out.token_ids[-1] in llm.engine.eos_token_ids and len(out.token_ids) < 8
+    assert [t for t in out.token_ids if t in llm.engine.eos_token_ids] == [out.token_ids[-1]]
 
 
 TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
