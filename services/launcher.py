@@ -165,8 +165,9 @@ class Cluster:
         self.config = config
         self.children: list[Child] = []
         self.admin_token = config.admin_token or secrets.token_urlsafe(24)
-        self.needs_keys = False
-        """Whether the router turned away a request without an API key (known once started)."""
+        self.needs_keys: bool | None = False
+        """Whether the router turned away a request without an API key (known once started;
+        None: the router could not be asked)."""
 
     def _spawn(self, name: str, module: str, args: list[str]) -> Child:
         host = self.config.host
@@ -225,8 +226,12 @@ class Cluster:
         self.children.append(router)
         url = f"http://{router.address}"
         await self._wait_http(router, url + "/health")
-        async with httpx.AsyncClient() as client:  # asked, not guessed: keys may also come from Redis
-            self.needs_keys = (await client.get(url + "/v1/models", timeout=10)).status_code == 401
+        try:  # asked, not guessed: keys may also come from Redis
+            async with httpx.AsyncClient() as client:
+                self.needs_keys = (await client.get(url + "/v1/models", timeout=10)).status_code == 401
+        except httpx.HTTPError as exc:  # only the banner needs it: no reason to stop the cluster
+            logger.warning("could not ask the router whether its API needs keys: %r", exc)
+            self.needs_keys = None
         return url
 
     async def _wait_healthy(self, children: list[Child]) -> None:
@@ -299,6 +304,8 @@ async def run(config: UpConfig) -> int:
         if cluster.needs_keys:
             print("  API keys   required: Authorization: Bearer KEY or x-api-key: KEY"
                   "  (epd admin keys create TENANT adds one)", flush=True)
+        elif cluster.needs_keys is None:
+            print("  API keys   unknown: the router did not answer GET /v1/models", flush=True)
         else:
             print(f"  API keys   none: the API is open to anyone who can reach {config.host}"
                   "  (add some: --api-key KEY, or --api-keys FILE / --redis URL and epd admin keys create)", flush=True)

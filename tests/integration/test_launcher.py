@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,18 +23,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def start_up(model_dir: Path, port: int) -> tuple[subprocess.Popen, list[int]]:
+    log = tempfile.TemporaryFile(mode="w+")  # epd up's stderr: what went wrong, if it fails to start
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), "--encoders", "1",
          "--prefills", "1", "--decodes", "2", "--port", str(port), "--kv-cache-gib", "0.02", "--device", "cpu",
          "--kvstore-dir", "none", "--kvstore-capacity-mib", "32", "--admin-port", str(free_port("127.0.0.1"))],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
     pids = []
-    for line in process.stdout:
-        if match := re.search(r"\(pid (\d+)\)", line):
-            pids.append(int(match.group(1)))
-        if line.startswith("epd is up"):
-            return process, pids
-    raise AssertionError(f"epd up exited with {process.wait()} before it was up")
+    with log:
+        for line in process.stdout:
+            if match := re.search(r"\(pid (\d+)\)", line):
+                pids.append(int(match.group(1)))
+            if line.startswith("epd is up"):
+                return process, pids
+        status = process.wait()
+        process.stdout.close()
+        log.seek(0)
+        raise AssertionError(f"epd up exited with {status} before it was up; its stderr ends:\n{log.read()[-3000:]}")
 
 
 def is_alive(pid: int) -> bool:
