@@ -7,7 +7,7 @@
     "/path/dir"                                 config.json + *.safetensors (sharded too)
 
 A GGUF is converted once into an HF-style directory under the cache root (``cache_dir``, else
-$EPD_CACHE_DIR, else ~/.cache/epd/models), keyed by the file's path, size and mtime:
+$EPD_CACHE_DIR, else ~/.cache/epd/models), keyed by the file's content (its sha256):
 
     <root>/<stem>-<key>/  config.json  model.safetensors  tokenizer.json  tokenizer_config.json
 
@@ -109,11 +109,29 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def gguf_cache_path(gguf_path: Path, cache_dir: str | os.PathLike | None = None) -> Path:
-    """``<root>/<stem>-<key>``: a new key whenever the file is replaced or touched."""
+    """``<root>/<stem>-<key>``, the key from the file's content: copies of one file in several
+    places (one per virtualenv, say) share one conversion, and a file replaced in place gets a new
+    one. The content digest is remembered per path, size and mtime (``<root>/.digests``), so only
+    a new or touched file is read through (about 0.15 s for SmolLM2's 98 MB)."""
+    root = cache_root(cache_dir)
     resolved = gguf_path.resolve()
     stat = resolved.stat()
-    ident = f"{_CACHE_FORMAT}|{resolved}|{stat.st_size}|{stat.st_mtime_ns}"
-    return cache_root(cache_dir) / f"{gguf_path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
+    where = hashlib.sha256(f"{resolved}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:32]
+    memo = root / ".digests" / where
+    try:
+        digest = memo.read_text().strip()
+    except OSError:
+        with open(resolved, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        try:  # a read-only cache still works, it only reads the file each time
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            tmp = memo.with_name(f".{where}.{os.getpid()}")
+            tmp.write_text(digest)
+            tmp.replace(memo)
+        except OSError:
+            pass
+    key = hashlib.sha256(f"{_CACHE_FORMAT}|{digest}".encode()).hexdigest()[:12]
+    return root / f"{gguf_path.stem}-{key}"
 
 
 def _converted_gguf(gguf_path: Path, cache_dir: str | os.PathLike | None) -> Path:

@@ -196,7 +196,8 @@ def test_gguf_is_converted_once_then_read_from_cache(tmp_path, monkeypatch):
     assert first.path == second.path and first.path.startswith(str(cache / "tiny-llama-"))
     assert sorted(os.listdir(first.path)) == ["config.json", "model.safetensors", "tokenizer.json",
                                               "tokenizer_config.json"]
-    assert os.listdir(cache) == [os.path.basename(first.path)]  # no temporary directory left behind
+    # No temporary directory left behind (.digests remembers the file's content digest).
+    assert sorted(os.listdir(cache)) == [".digests", os.path.basename(first.path)]
     assert first.config == second.config and first.config.name == "tiny-llama"
     for name, value in original.items():
         assert torch.equal(second.weights[name], torch.from_numpy(value)), name
@@ -204,9 +205,18 @@ def test_gguf_is_converted_once_then_read_from_cache(tmp_path, monkeypatch):
     assert second.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == \
         "<|im_start|>user\nhi<|im_end|>\n"
 
-    os.utime(path, ns=(1, 1))  # a replaced file gets a new cache entry
-    load_model(str(path))
-    assert len(conversions) == 2
+    copy = tmp_path / "elsewhere" / "tiny-llama.gguf"  # the same file elsewhere (another venv): no new conversion
+    copy.parent.mkdir()
+    copy.write_bytes(path.read_bytes())
+    assert load_model(str(copy)).path == first.path and len(conversions) == 1
+    os.utime(path, ns=(1, 1))  # touched, same content: still the same conversion
+    assert load_model(str(path)).path == first.path and len(conversions) == 1
+
+    changed = dict(original, **{"model.norm.weight": original["model.norm.weight"] + 1})
+    write_gguf(path, "llama", changed)  # replaced in place: a new conversion
+    replaced = load_model(str(path))
+    assert len(conversions) == 2 and replaced.path != first.path
+    assert torch.equal(replaced.weights["model.norm.weight"], torch.from_numpy(changed["model.norm.weight"]))
 
 
 def test_hf_directory_with_shards(tmp_path):
