@@ -13,6 +13,7 @@ Every problem is an :class:`InvalidRequestError` whose message starts with
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
@@ -31,8 +32,12 @@ a document with whitespace forever."""
 ANY_JSON_OBJECT = {"type": "object"}
 
 
+@functools.lru_cache(maxsize=256)
 def check_structured(structured: StructuredOutput) -> None:
-    """Raise InvalidRequestError naming the problem if ``structured`` cannot be compiled."""
+    """Raise InvalidRequestError naming the problem if ``structured`` cannot be compiled.
+
+    Cached (valid specs only): an agent sends the same tools and schemas with every turn, and the
+    router checks each request before the engine compiles (and caches) the grammar."""
     error = llguidance.LLMatcher.validate_grammar(to_grammar(structured))
     if error:
         raise _error(structured.kind, error)
