@@ -300,8 +300,14 @@ async def _all(works) -> list:
 
 
 async def _cancel(tasks) -> None:
+    """Cancel and wait for what still runs; the failures of the rest are already handled (one is
+    raised, the others would only be logged as never retrieved)."""
+    tasks = list(tasks)
     pending = [t for t in tasks if not t.done()]
     for task in pending:
         task.cancel()
     if pending:
         await asyncio.wait(pending)
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()
