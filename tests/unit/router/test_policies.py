@@ -275,23 +275,25 @@ def test_prefill_buckets_pick_least_queued_compute_then_requests_in_the_bucket()
     assert policy.pick(req(50), loads).instance_id == "p0"
 
 
-def test_prefill_buckets_redivide_when_the_available_set_changes():
+def short_prompts_round() -> PrefillBuckets:
+    """A policy one round in, whose only demand was one short prompt: bucket 0 has the fleet."""
     clock = FakeClock()
     policy = PrefillBuckets(bounds=BOUNDS, round_s=1.0, clock=clock)
     route(policy, req(50), fleet())
     clock.now = 1.0
     policy.pick(req(50), fleet())
+    return policy
+
+
+def test_prefill_buckets_redivide_when_the_available_set_changes():
+    policy = short_prompts_round()
     assert policy.allocation[0] == ("p0", "p1", "p2", "p3")
     policy.pick(req(50), [inst("p0", is_healthy=False), *fleet()[1:], inst("p9")])
     assert policy.allocation[0] == ("p1", "p2", "p3", "p9")
 
 
 def test_prefill_buckets_configure_validates_and_applies_at_the_next_pick():
-    clock = FakeClock()
-    policy = PrefillBuckets(bounds=BOUNDS, round_s=1.0, clock=clock)
-    route(policy, req(50), fleet())
-    clock.now = 1.0
-    policy.pick(req(50), fleet())
+    policy = short_prompts_round()
     with pytest.raises(ValueError, match="strictly ascending"):
         policy.configure(bounds=(100, 100, 1_000))
     with pytest.raises(ValueError, match="caps must be 4 integers"):
