@@ -146,6 +146,16 @@ def test_regex_grammar_and_bad_constraints(client):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, extra_body=extra)
         assert words in info.value.body["message"]
+    # The prompt-length limit, in both protocols' error bodies.
+    long = [{"role": "user", "content": "word " * 9000}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=long, max_tokens=5)
+    assert info.value.body["code"] == "context_length_exceeded" and "the prompt is" in info.value.body["message"]
+    with anthropic.Anthropic(base_url=str(client.base_url).removesuffix("/v1/"), api_key="unused",
+                             max_retries=0) as claude:
+        with pytest.raises(anthropic.BadRequestError) as info:
+            claude.messages.create(model=MODEL, max_tokens=5, messages=long)
+    assert info.value.body["error"]["type"] == "invalid_request_error" and "context" in info.value.body["error"]["message"]
 
 
 @pytest.mark.slow
