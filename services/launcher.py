@@ -222,7 +222,7 @@ class Cluster:
             env["EPD_ROUTER_API_KEYS"] = ",".join(c.api_key)
         router = Child("router", f"{c.host}:{c.port}", subprocess.Popen(
             [sys.executable, "-m", "services.router", "--host", c.host, "--port", str(c.port), *router_args],
-            preexec_fn=_die_with_parent, env=env))
+            preexec_fn=_die_with_parent, env=env), metrics_url=f"http://{c.host}:{c.port}/metrics")
         self.children.append(router)
         url = f"http://{router.address}"
         await self._wait_http(router, url + "/health")

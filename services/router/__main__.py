@@ -33,10 +33,10 @@ def policies(config: RouterConfig) -> dict[str, Policy]:
 
 
 def configure_buckets(policy: Policy, config: RouterConfig, max_model_len: int) -> None:
-    """Bucket bounds, caps and round period from the config (bounds scaled to the model)."""
+    """Bucket bounds, caps, round period and room from the config (bounds scaled to the model)."""
     if hasattr(policy, "configure"):
         policy.configure(bounds=config.bucket_bounds or scale_bounds(max_model_len),
-                         caps=config.bucket_caps or None, round_s=config.round_s)
+                         caps=config.bucket_caps or None, round_s=config.round_s, room_s=config.room_s)
 
 
 async def run(config: RouterConfig) -> int:

@@ -5,8 +5,9 @@
     POST /admin/instances/{id}/undrain
     GET  /admin/policies                       each role's policy, picks per policy, last pick
     PUT  /admin/policies/{role}                {"policy": name}: switch at once
-    GET  /admin/prefill/buckets                bounds, caps, round period, allocation, last demand
-    PUT  /admin/prefill/buckets                {"bounds"?, "caps"?, "round_s"?}: from the next pick
+    GET  /admin/prefill/buckets                bounds, caps, round period, room, allocation, last
+                                               demand, requests waiting per bucket
+    PUT  /admin/prefill/buckets                {"bounds"?, "caps"?, "round_s"?, "room_s"?}: at once
     POST /admin/keys, GET /admin/keys, POST /admin/keys/{id}/revoke    API keys (admin_keys.py)
 
 Every path needs ``Authorization: Bearer <admin token>`` (401 otherwise). Errors use the same
@@ -46,6 +47,8 @@ class BucketChange(BaseModel):
     """Most prefill instances per bucket (four numbers; 0: no cap)."""
     round_s: float | None = None
     """Seconds between reallocations."""
+    room_s: float | None = None
+    """Queued prefill seconds under which an instance takes a request waiting at the router."""
 
 
 def create_admin_app(pools: dict[str, InstancePool], token: str,
@@ -76,9 +79,10 @@ def create_admin_app(pools: dict[str, InstancePool], token: str,
         return pools[role]
 
     def find(instance_id: str):
+        """(pool, instance)."""
         for pool in pools.values():
             try:
-                return pool.find(instance_id)
+                return pool, pool.find(instance_id)
             except KeyError:
                 continue
         raise HTTPException(404, f"no instance {instance_id!r}")
@@ -110,15 +114,15 @@ def create_admin_app(pools: dict[str, InstancePool], token: str,
         return out
 
     @app.post("/admin/instances/{instance_id}/drain", dependencies=[Depends(authorized)])
-    def drain(instance_id: str) -> dict[str, Any]:
-        instance = find(instance_id)
-        instance.is_drained = True
+    async def drain(instance_id: str) -> dict[str, Any]:
+        pool, instance = find(instance_id)
+        pool.set_drained(instance, True)
         return {"id": instance.instance_id, "drained": True}
 
     @app.post("/admin/instances/{instance_id}/undrain", dependencies=[Depends(authorized)])
-    def undrain(instance_id: str) -> dict[str, Any]:
-        instance = find(instance_id)
-        instance.is_drained = False
+    async def undrain(instance_id: str) -> dict[str, Any]:
+        pool, instance = find(instance_id)
+        pool.set_drained(instance, False)
         return {"id": instance.instance_id, "drained": False}
 
     @app.get("/admin/policies", dependencies=[Depends(authorized)])
@@ -130,39 +134,43 @@ def create_admin_app(pools: dict[str, InstancePool], token: str,
                 "breakdown": dict(pool.last_pick.breakdown)}} for role, pool in pools.items()}}
 
     @app.put("/admin/policies/{role}", dependencies=[Depends(authorized)])
-    def switch_policy(role: str, change: PolicyChange) -> dict[str, Any]:
+    async def switch_policy(role: str, change: PolicyChange) -> dict[str, Any]:
         pool = pool_of(role)
         try:
             policy = make_policy(change.policy)
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from None
         prepare(policy)
-        pool.policy = policy
+        pool.set_policy(policy)
         return {"role": role, "policy": pool.policy.name}
 
     @app.get("/admin/prefill/buckets", dependencies=[Depends(authorized)])
     def buckets() -> dict[str, Any]:
-        return _buckets_body(buckets_policy())
+        return _buckets_body(pools["prefill"])
 
     @app.put("/admin/prefill/buckets", dependencies=[Depends(authorized)])
-    def change_buckets(change: BucketChange) -> dict[str, Any]:
+    async def change_buckets(change: BucketChange) -> dict[str, Any]:
         policy = buckets_policy()
         try:
             policy.configure(bounds=None if change.bounds is None else tuple(change.bounds),
-                             caps=None if change.caps is None else tuple(change.caps), round_s=change.round_s)
+                             caps=None if change.caps is None else tuple(change.caps), round_s=change.round_s,
+                             room_s=change.room_s)
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from None
-        return _buckets_body(policy)
+        pools["prefill"].set_policy(policy)  # waiting requests re-queue by the new bounds
+        return _buckets_body(pools["prefill"])
 
     if keys is not None:
         add_key_routes(app, keys, authorized)
     return app
 
 
-def _buckets_body(policy) -> dict[str, Any]:
+def _buckets_body(pool: InstancePool) -> dict[str, Any]:
+    policy = pool.policy
     return {"bounds": list(policy.bounds), "caps": list(policy.caps), "round_s": policy.round_s,
-            "allocation": {str(b): list(ids) for b, ids in dict(policy.allocation).items()},
-            "last_demand_s": list(policy.last_demand_s)}
+            "room_s": policy.room_s, "allocation": {str(b): list(ids) for b, ids in dict(policy.allocation).items()},
+            "last_demand_s": list(policy.last_demand_s),
+            "waiting": {str(b): n for b, n in pool.waiting.sizes().items()}}
 
 
 def _bucket_of_instances(policy) -> dict[str, int]:

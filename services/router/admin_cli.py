@@ -45,7 +45,9 @@ def parser() -> argparse.ArgumentParser:
     buckets = sub.add_parser("buckets", help="read (or change) the prefill buckets")
     buckets.add_argument("--bounds", type=_ints, help="three ascending token counts, e.g. 2048,8192,32768")
     buckets.add_argument("--caps", type=_ints, help="four per-bucket instance caps (0: none)")
-    buckets.add_argument("--round-s", type=float)
+    buckets.add_argument("--round-s", type=float, help="seconds between reallocations")
+    buckets.add_argument("--room-s", type=float,
+                         help="queued prefill seconds under which an instance takes a waiting request")
     keys = sub.add_parser("keys", help="API keys: create, list, revoke").add_subparsers(dest="keys_command",
                                                                                        required=True)
     create = keys.add_parser("create", help="a new API key for TENANT (its text is printed once)")
@@ -80,8 +82,8 @@ def request(args: argparse.Namespace) -> tuple[str, str, dict | None]:
         return "PUT", f"/admin/policies/{args.role}", {"policy": args.name}
     if args.command == "keys":
         return _key_request(args)
-    body = {k: v for k, v in (("bounds", args.bounds), ("caps", args.caps), ("round_s", args.round_s))
-            if v is not None}
+    body = {k: v for k, v in (("bounds", args.bounds), ("caps", args.caps), ("round_s", args.round_s),
+                              ("room_s", args.room_s)) if v is not None}
     return ("PUT" if body else "GET"), "/admin/prefill/buckets", body or None
 
 

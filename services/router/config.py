@@ -42,6 +42,9 @@ class RouterConfig:
     """Most prefill instances per bucket (4 numbers, 0: no cap); empty: no caps."""
     round_s: float = 10.0
     """Seconds between two reallocations of prefill instances to buckets."""
+    room_s: float = 0.1
+    """Prefill requests wait in the router's per-bucket queues until an instance of their
+    bucket has at most this many seconds of prefill queued."""
     health_timeout_s: float = 3.0
     """An instance with no load report for this long gets no new requests."""
     admin_host: str = "127.0.0.1"
@@ -84,6 +87,7 @@ class RouterConfig:
         check(not self.bucket_caps or (len(self.bucket_caps) == 4 and min(self.bucket_caps) >= 0),
               "bucket_caps", "needs 4 numbers >= 0 (0: no cap)")
         check(self.round_s > 0, "round_s", "must be > 0")
+        check(self.room_s >= 0, "room_s", "must be >= 0")
         check(self.health_timeout_s > 0, "health_timeout_s", "must be > 0")
         check(self.admin_port is None or 0 <= self.admin_port <= 65535, "admin_port",
               "must be in 0..65535 (0: a free port) or none")

@@ -7,8 +7,16 @@ pick. An instance is **unhealthy** while its report stream is broken, when no re
 from yet counts as healthy (so a router starting with its instances works at once). Unhealthy
 and drained instances get no new requests; requests already there finish.
 
-Between two reports the pool counts the requests it sent (``num_sent``), so a burst does not
-all land on the instance that looked idlest at the last report.
+Between two reports the pool counts the requests it sent (``num_sent``, and their estimated
+compute), so a burst does not all land on the instance that looked idlest at the last report;
+the reported queued compute is taken to drain at one second per second, or by what this
+router's requests there finished, whichever says more.
+
+Under a **queueing** policy (the prefill buckets) :meth:`InstancePool.place` holds a request in
+the router's queues (``services/router/policies/waiting.py``) until the policy dispatches it:
+after every load report, every finished request (:meth:`InstancePool.release`), every arrival,
+and at the wake-up the policy asks for. A client that leaves while queued just leaves the queue;
+with no instance available at all, waiting requests fail as unavailable.
 """
 
 from __future__ import annotations
@@ -17,18 +25,21 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import grpc
 import grpc.aio
 
 from services.common.cost_model import PrefillCost
+from services.common import metrics
 from services.common.errors import UnavailableError
 from services.common.server import MAX_MESSAGE_BYTES
 from services.common.wire import LoadReport, load_from_proto
 from services.pb import common_pb2
 from services.router.policies import InstanceView, Pick, Policy, RequestView
+from services.router.policies.base import available
+from services.router.policies.waiting import Waiting, dispatched
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +47,9 @@ S = TypeVar("S")
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 _RECONNECT_S = 0.5
+QUEUE_WAIT = metrics.histogram("epd_router_queue_wait_seconds", "Time a request waited in the router's queue "
+                               "until its policy dispatched it (queueing policies).", ["role"],
+                               buckets=metrics.TTFT_BUCKETS_S)
 
 
 @dataclass
@@ -53,6 +67,11 @@ class Instance(Generic[S]):
     """Drained through the admin API: no new requests."""
     num_sent: int = 0
     """Requests sent since its last report."""
+    sent_s: float = 0.0
+    """Their estimated prefill compute (those still running)."""
+    done_s: float = 0.0
+    """Estimated compute of this router's requests that it counted and that finished since."""
+    num_reports: int = 0
 
     def __post_init__(self) -> None:
         self.instance_id = self.instance_id or self.address
@@ -62,6 +81,19 @@ class Instance(Generic[S]):
             return False
         return self.load is None or now - self.report_at <= health_timeout_s
 
+    def queued_compute_s(self, load: LoadReport, now: float, cost: PrefillCost) -> float:
+        """The instance's own estimate when it has one (its fitted model), else the reference's,
+        drained since the report, plus what was sent since."""
+        reported = load.queued_prefill_compute_s or cost.seconds(load.num_queued_prefill_tokens)
+        drained = max(now - self.report_at, self.done_s) if self.load is not None else self.done_s
+        return max(0.0, reported - drained) + self.sent_s
+
+    def on_report(self, report: LoadReport, now: float) -> None:
+        self.load, self.report_at = report, now
+        self.instance_id = report.instance_id or self.address
+        self.is_broken, self.num_sent, self.sent_s, self.done_s = False, 0, 0.0, 0.0
+        self.num_reports += 1
+
     def view(self, role: str, now: float, health_timeout_s: float, cost: PrefillCost,
              block_size: int = 16) -> InstanceView:
         load = self.load or LoadReport(self.instance_id, role)
@@ -70,12 +102,27 @@ class Instance(Generic[S]):
             instance_id=self.instance_id, role=role, machine=self.address.rsplit(":", 1)[0],
             num_running=load.num_running, num_waiting=load.num_waiting + self.num_sent,
             num_queued_prefill_tokens=num_queued,
-            # The instance's own estimate when it has one (its fitted model), else the reference's.
-            queued_compute_s=load.queued_prefill_compute_s or cost.seconds(num_queued),
+            queued_compute_s=self.queued_compute_s(load, now, cost),
             num_kv_tokens=load.num_kv_tokens_in_use,
             kv_capacity_tokens=load.num_total_blocks * block_size, num_patches_in_flight=load.num_patches_in_flight,
             is_healthy=self.is_healthy(now, health_timeout_s),
             is_draining=self.is_drained or load.is_draining)
+
+
+@dataclass
+class Placement(Generic[S]):
+    """Where a request went, and what the pool counted for it there (see ``release``)."""
+
+    instance: Instance[S]
+    compute_s: float
+    report: int
+    """The instance's report count when it was sent."""
+
+
+@dataclass
+class _Waiter:
+    request: RequestView
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class InstancePool(Generic[S]):
@@ -95,6 +142,9 @@ class InstancePool(Generic[S]):
         self.picks: Counter[str] = Counter()
         """Picks per policy name (the admin API's per-policy stats)."""
         self.last_pick: Pick | None = None
+        self.waiting: Waiting[_Waiter] = Waiting()
+        """Requests a queueing policy holds at the router."""
+        self._wake: asyncio.TimerHandle | None = None
         self._watchers: list[asyncio.Task] = []
 
     def __len__(self) -> int:
@@ -104,21 +154,97 @@ class InstancePool(Generic[S]):
         now = time.monotonic()
         return [i.view(self.role, now, self.health_timeout_s, self.cost, self.block_size) for i in self.instances]
 
-    def pick(self, request: RequestView | None = None) -> Instance[S]:
-        """The policy's pick among healthy, undrained instances; UnavailableError if none."""
+    def pick(self, request: RequestView | None = None, arrival: bool = True) -> Instance[S]:
+        """The policy's pick among healthy, undrained instances, now; UnavailableError if none.
+        ``arrival``: the request's first placement (a retry is not)."""
+        return self._pick(request or RequestView("", 0), arrival).instance
+
+    def _pick(self, request: RequestView, arrival: bool) -> Placement[S]:
         if not self.instances:
             raise UnavailableError(f"no {self.role} instance is configured")
-        request = request or RequestView("", 0)
+        if arrival:
+            self.policy.on_arrival(request)
         chosen = self.policy.pick(request, self.views())
         if chosen is None:
             raise UnavailableError(f"no {self.role} instance is available (all unhealthy or drained)")
         self.policy.on_pick(request, chosen)
+        return self._sent(request, chosen)
+
+    def _sent(self, request: RequestView, chosen: Pick) -> Placement[S]:
         self.picks[self.policy.name] += 1
         self.last_pick = chosen
         instance = self.find(chosen.instance_id)
+        compute_s = self.cost.prompt_seconds(request.num_prompt_tokens, request.num_cached_tokens) \
+            if self.role == "prefill" else 0.0
         instance.num_sent += 1
+        instance.sent_s += compute_s
         logger.debug("%s pick %s for %s: %s", self.role, instance.address, request.request_id, dict(chosen.breakdown))
-        return instance
+        return Placement(instance, compute_s, instance.num_reports)
+
+    async def place(self, request: RequestView, arrival: bool = True) -> Placement[S]:
+        """Where ``request`` goes: at once, or under a queueing policy once it dispatches it
+        (waiting in the router's queue meanwhile). Hand it back with :meth:`release`."""
+        if not self.policy.queues:
+            return self._pick(request, arrival)
+        if not self.instances:
+            raise UnavailableError(f"no {self.role} instance is configured")
+        if arrival:
+            self.policy.on_arrival(request)
+        waiter = _Waiter(request)
+        self.waiting.add(self.policy.queue_of(request), request, waiter)
+        self.dispatch()
+        try:
+            with QUEUE_WAIT.labels(self.role).time():
+                return await waiter.future
+        except asyncio.CancelledError:
+            if not self.waiting.remove(waiter) and waiter.future.done() and not waiter.future.cancelled():
+                self.release(waiter.future.result())  # dispatched as its caller left
+            raise
+
+    def release(self, placement: Placement[S]) -> None:
+        """The request's work at ``placement`` is over (done or failed): uncount it, and start
+        what waits for the room."""
+        self._uncount(placement)
+        self.dispatch()
+
+    @staticmethod
+    def _uncount(placement: Placement[S]) -> None:
+        instance = placement.instance
+        if placement.report == instance.num_reports:     # no report has counted it yet
+            instance.num_sent = max(0, instance.num_sent - 1)
+            instance.sent_s = max(0.0, instance.sent_s - placement.compute_s)
+        else:
+            instance.done_s += placement.compute_s
+
+    def dispatch(self) -> None:
+        """Starts whatever the policy lets start now (a queueing policy; any other places all)."""
+        if self._wake is not None:
+            self._wake.cancel()
+            self._wake = None
+        if not len(self.waiting):
+            return
+        if not available(self.views()):
+            for waiter in self.waiting.drain():
+                if not waiter.future.done():
+                    waiter.future.set_exception(UnavailableError(
+                        f"no {self.role} instance is available (all unhealthy or drained)"))
+            return
+        for request, chosen, waiter in dispatched(self.policy, self.waiting, self.views):
+            placement = self._sent(request, chosen)
+            if waiter.future.done():   # its caller left in between
+                self._uncount(placement)
+            else:
+                waiter.future.set_result(placement)
+        if len(self.waiting) and (after := self.policy.wake_after_s(self.views())) is not None:
+            self._wake = asyncio.get_running_loop().call_later(after, self.dispatch)
+
+    def set_policy(self, policy: Policy) -> None:
+        """Switch policies; requests waiting in the old one's queues join the new one's."""
+        self.policy = policy
+        waiters = self.waiting.drain()
+        for waiter in waiters:
+            self.waiting.add(policy.queue_of(waiter.request), waiter.request, waiter)
+        self.dispatch()
 
     def find(self, instance_id_or_address: str) -> Instance[S]:
         for instance in self.instances:
@@ -129,6 +255,11 @@ class InstancePool(Generic[S]):
     def mark_unavailable(self, instance: Instance[S]) -> None:
         """An RPC found it unavailable: no new work until it reports again."""
         instance.is_broken = True
+        self.dispatch()
+
+    def set_drained(self, instance: Instance[S], is_drained: bool) -> None:
+        instance.is_drained = is_drained
+        self.dispatch()
 
     # ----- load reports ------------------------------------------------------------------------
     def start_watching(self) -> None:
@@ -139,18 +270,21 @@ class InstancePool(Generic[S]):
         while True:
             try:
                 async for message in instance.stub.WatchLoad(request, wait_for_ready=True):
-                    report = load_from_proto(message)
-                    instance.load, instance.report_at = report, time.monotonic()
-                    instance.instance_id = report.instance_id or instance.address
-                    instance.is_broken, instance.num_sent = False, 0
+                    instance.on_report(load_from_proto(message), time.monotonic())
+                    self.dispatch()
             except grpc.aio.AioRpcError as exc:
                 if not instance.is_broken:
                     logger.warning("%s %s stopped reporting (%s): no new work for it",
                                    self.role, instance.address, exc.code().name)
             instance.is_broken = True
+            self.dispatch()
             await asyncio.sleep(_RECONNECT_S)
 
     async def close(self) -> None:
+        if self._wake is not None:
+            self._wake.cancel()
+        for waiter in self.waiting.drain():
+            waiter.future.cancel()
         for task in self._watchers:
             task.cancel()
         await asyncio.gather(*self._watchers, return_exceptions=True)

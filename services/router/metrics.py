@@ -52,6 +52,8 @@ class PoolMetrics:
             # A copy: /metrics is served from a worker thread while the event loop keeps picking.
             for policy_name, num_picks in dict(pool.picks).items():
                 families["picks"].add_metric([pool.role, policy_name], num_picks)
+            for queue, num_waiting in pool.waiting.sizes().items():
+                families["queue_waiting"].add_metric([pool.role, str(queue)], num_waiting)
         prefill = self.pools.get("prefill")
         if prefill is not None:
             self._add_buckets(families, prefill)
@@ -74,6 +76,9 @@ class PoolMetrics:
         families["bucket_demand"] = GaugeMetricFamily(
             "epd_router_bucket_demand_seconds", "Prefill compute (cost-model seconds) each bucket demanded in "
             "the last finished round.", labels=["bucket"])
+        families["queue_waiting"] = GaugeMetricFamily(
+            "epd_router_queue_waiting", "Requests waiting in the router's queue for an instance (a queueing "
+            "policy; the prefill buckets keep one queue per bucket).", labels=["role", "queue"])
         families["picks"] = CounterMetricFamily("epd_router_picks", "Instances picked, per role and policy.",
                                                 labels=["role", "policy"])
         return families

@@ -132,7 +132,7 @@ class ClusterBackend:
         """The token stream from a decode instance; until its first chunk, an unavailable
         instance (dead, draining) is skipped for the next one."""
         for attempt in range(len(self.decodes)):
-            instance = self.decodes.pick(view)
+            instance = self.decodes.pick(view, arrival=attempt == 0)
             call = instance.stub.Generate(request)
             has_chunks = False
             try:
@@ -151,11 +151,14 @@ class ClusterBackend:
                 call.cancel()
 
     async def _prefill(self, spec: RequestSpec, view: RequestView):
-        """(instance, PrefillResponse); another instance is tried when one is unavailable."""
+        """(instance, PrefillResponse); another instance is tried when one is unavailable. The
+        request may first wait in the router's queue (a queueing prefill policy)."""
         message = prefill_pb2.PrefillRequest(spec=spec_to_proto(spec))
+        arrivals = iter((True,))
 
         async def attempt():
-            instance = self.prefills.pick(view)
+            placement = await self.prefills.place(view, arrival=next(arrivals, False))
+            instance = placement.instance
             try:
                 return instance, await instance.stub.Prefill(message)
             except grpc.aio.AioRpcError as exc:
@@ -163,6 +166,8 @@ class ClusterBackend:
                 if error.retryable:
                     self.prefills.mark_unavailable(instance)
                 raise error from exc
+            finally:
+                self.prefills.release(placement)
 
         return await retry(attempt, retry_on=is_retryable, attempts=max(2, len(self.prefills)))
 

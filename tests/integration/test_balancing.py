@@ -98,6 +98,28 @@ def test_a_drained_decode_instance_gets_no_new_request_and_finishes_its_own(clus
     assert cluster.leftovers() == []
 
 
+def test_prefill_requests_wait_in_the_routers_bucket_queues_and_skip_a_drained_instance(cluster):
+    # Room 0: an instance takes a waiting request only once it has nothing queued, so a burst
+    # waits at the router; prefill-1 drained gets none of it.
+    assert admin(cluster, "PUT", "/admin/prefill/buckets", json={"room_s": 0}).json()["room_s"] == 0
+    admin(cluster, "POST", "/admin/instances/prefill-1/drain")
+    counts = {p: cluster.metric(p, "epd_engine_queue_time_seconds_count") for p in ("prefill-0", "prefill-1")}
+    waited = cluster.metric("router", "epd_router_queue_wait_seconds_count")
+    waited_s = cluster.metric("router", "epd_router_queue_wait_seconds_sum")
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        replies = list(pool.map(lambda i: complete(cluster, random_prompts(1, [400], vocab=49152, seed=60 + i)[0], 2),
+                                range(6)))
+    assert all(r["choices"][0]["finish_reason"] == "length" for r in replies)
+    assert cluster.metric("prefill-0", "epd_engine_queue_time_seconds_count") == counts["prefill-0"] + 6
+    assert cluster.metric("prefill-1", "epd_engine_queue_time_seconds_count") == counts["prefill-1"]
+    assert cluster.metric("router", "epd_router_queue_wait_seconds_count") == waited + 6
+    assert cluster.metric("router", "epd_router_queue_wait_seconds_sum") > waited_s
+    assert admin(cluster, "GET", "/admin/prefill/buckets").json()["waiting"] == {}
+    admin(cluster, "POST", "/admin/instances/prefill-1/undrain")
+    admin(cluster, "PUT", "/admin/prefill/buckets", json={"room_s": 0.1})
+    assert cluster.leftovers() == []
+
+
 def test_a_killed_prefill_instance_stops_getting_work_and_no_request_fails(cluster):
     victim = next(c for c in cluster.cluster.children if c.name == "prefill-1")
     victim.process.kill()

@@ -71,8 +71,36 @@ class Policy(ABC):
     def pick(self, request: RequestView, instances: Sequence[InstanceView]) -> Pick | None:
         """The instance for ``request`` among the available ``instances``; None: none fits now."""
 
+    queues: bool = False
+    """Whether requests wait at the router until ``dispatch`` starts them (late binding)
+    instead of being placed at once by ``pick``."""
+
+    def on_arrival(self, request: RequestView) -> None:
+        """``request`` came in (once, before it is placed or queued; a retry is not an arrival)."""
+
     def on_pick(self, request: RequestView, pick: Pick) -> None:
         """The request was sent where ``pick`` says (stateful policies update here)."""
+
+    def queue_of(self, request: RequestView) -> int:
+        """The router-side queue ``request`` waits in (queueing policies)."""
+        return 0
+
+    def dispatch(self, heads: Sequence[tuple[int, RequestView]],
+                 instances: Sequence[InstanceView]) -> tuple[int, Pick] | None:
+        """Which queue's head starts now, and where: ``heads`` holds (queue, request) for each
+        non-empty queue, oldest first. None: every head waits. This default places the oldest
+        head at once wherever ``pick`` says."""
+        if not heads:
+            return None
+        queue, request = heads[0]
+        pick = self.pick(request, instances)
+        return None if pick is None else (queue, pick)
+
+    def wake_after_s(self, instances: Sequence[InstanceView]) -> float | None:
+        """With requests waiting and ``dispatch`` saying wait: in how many seconds it may say
+        otherwise with no new report (queued compute drains as instances work); None: only a
+        change in load can."""
+        return None
 
 
 def available(instances: Sequence[InstanceView]) -> list[InstanceView]:

@@ -7,12 +7,17 @@ what it costs, not 1), with a per-bucket cap. Short prompts then never queue beh
 and no length class can starve the others.
 
     round k-1: demand_s per bucket ──allocate──> counts ──assign (stable)──> instance -> bucket
-    round k:   pick = least queued compute among the request's bucket's instances
+    round k:   requests wait at the router, one queue per bucket; an instance with room (queued
+               compute <= room_s) takes the oldest request of its own bucket, or, when its
+               bucket's queue is empty, the oldest one of any other (nothing idles while work waits)
 
-Until a round with demand has finished there is nothing to divide by: all available instances
-form one pool and every pick is the least loaded of all (``borrowed`` = 1). A round without any
-demand keeps the last division that had some. A bucket left without instances borrows the least
-loaded available instance of any bucket. Demand is recorded in ``on_pick`` (what was sent).
+Binding late keeps a request free to start wherever room appears first, instead of betting at
+arrival on one instance's queue. Until a round with demand has finished there is nothing to
+divide by: all available instances form one pool and every request takes the first room anywhere
+(``borrowed`` = 1). A round without any demand keeps the last division that had some. Demand is
+recorded at arrival (``on_arrival``: what was asked, not what a busy bucket managed to send).
+``pick`` places one request at once (least queued compute in its bucket, work-conserving), for
+callers that do not queue.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ from services.router.policies.base import InstanceView, Pick, Policy, RequestVie
 from services.router.policies.least_requests import num_requests
 
 DEFAULT_BOUNDS = (16_384, 65_536, 262_144)
+DEFAULT_ROUND_S = 10.0
+_MIN_WAKE_S = 1e-6
+"""Float rounding must not make a waiting request re-ask at the same instant forever."""
 REFERENCE_CONTEXT = 1_048_576
 """The reference model's context: DEFAULT_BOUNDS are 1/64, 1/16 and 1/4 of it."""
 
@@ -122,8 +130,8 @@ def assign(prev: dict[str, int], counts: Sequence[int], instance_ids: Sequence[s
     return {i: result[i] for i in ordered}
 
 
-def validated(bounds: Sequence[int], caps: Sequence[int],
-              round_s: float) -> tuple[tuple[int, ...], tuple[int, ...], float]:
+def validated(bounds: Sequence[int], caps: Sequence[int], round_s: float,
+              room_s: float) -> tuple[tuple[int, ...], tuple[int, ...], float, float]:
     """The settings as stored, or a ValueError naming the setting that is wrong."""
     bounds, caps = tuple(bounds), tuple(caps)
     if not bounds or any(not isinstance(b, int) or b < 1 for b in bounds) or \
@@ -134,21 +142,28 @@ def validated(bounds: Sequence[int], caps: Sequence[int],
                          f"0: no cap), got {caps}")
     if not (isinstance(round_s, (int, float)) and math.isfinite(round_s) and round_s > 0):
         raise ValueError(f"prefill_buckets round_s must be a number of seconds > 0, got {round_s!r}")
-    return bounds, caps, float(round_s)
+    if not (isinstance(room_s, (int, float)) and math.isfinite(room_s) and room_s >= 0):
+        raise ValueError(f"prefill_buckets room_s must be a number of seconds >= 0, got {room_s!r}")
+    return bounds, caps, float(round_s), float(room_s)
 
 
 class PrefillBuckets(Policy):
-    """Least queued compute (then fewer requests, then id) among the instances of the request's
-    bucket, the buckets re-divided every ``round_s`` seconds of ``clock``. A change in the set
-    of available instances, or :meth:`configure`, re-divides at the next pick with the same
-    demand."""
+    """Per-bucket router queues dispatched to the least queued compute (then fewer requests,
+    then id) among the instances with room, the buckets re-divided every ``round_s`` seconds of
+    ``clock``. A change in the set of available instances, or :meth:`configure`, re-divides at
+    the next pick or dispatch with the same demand.
+
+    ``room_s``: an instance takes a request from the router's queues while its queued compute
+    (running prompt's rest included) is at most this; a little above 0 covers the time a
+    request takes to reach it, so it does not idle in between."""
 
     name = "prefill_buckets"
+    queues = True
 
     def __init__(self, bounds: Sequence[int] = DEFAULT_BOUNDS, caps: Sequence[int] = (0, 0, 0, 0),
-                 round_s: float = 10.0, cost: PrefillCost = PrefillCost(),
+                 round_s: float = DEFAULT_ROUND_S, room_s: float = 0.1, cost: PrefillCost = PrefillCost(),
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._bounds, self._caps, self._round_s = validated(bounds, caps, round_s)
+        self._bounds, self._caps, self._round_s, self._room_s = validated(bounds, caps, round_s, room_s)
         self._cost = cost
         self._clock = clock
         self._reset_history()
@@ -178,6 +193,10 @@ class PrefillBuckets(Policy):
         return self._round_s
 
     @property
+    def room_s(self) -> float:
+        return self._room_s
+
+    @property
     def allocation(self) -> dict[int, tuple[str, ...]]:
         """Bucket -> its instance ids (all empty while the fleet is one pool)."""
         return {b: tuple(i for i, ib in self._assignment.items() if ib == b) for b in range(len(self._caps))}
@@ -187,28 +206,53 @@ class PrefillBuckets(Policy):
         return self._last_demand
 
     def configure(self, bounds: Sequence[int] | None = None, caps: Sequence[int] | None = None,
-                  round_s: float | None = None) -> None:
+                  round_s: float | None = None, room_s: float | None = None) -> None:
         """Change settings (all validated before any applies); a new number of buckets drops
-        the demand history, since it was counted in the old buckets."""
-        new_bounds, new_caps, new_round_s = validated(
-            self._bounds if bounds is None else bounds, self._caps if caps is None else caps,
-            self._round_s if round_s is None else round_s)
-        is_reshaped = len(new_bounds) != len(self._bounds)
-        self._bounds, self._caps, self._round_s = new_bounds, new_caps, new_round_s
+        the demand history, since it was counted in the old buckets. Requests already waiting
+        stay in the queue they joined (the caller re-queues them when the buckets change)."""
+        new = validated(self._bounds if bounds is None else bounds, self._caps if caps is None else caps,
+                        self._round_s if round_s is None else round_s,
+                        self._room_s if room_s is None else room_s)
+        is_reshaped = len(new[0]) != len(self._bounds)
+        self._bounds, self._caps, self._round_s, self._room_s = new
         if is_reshaped:
             self._reset_history()
         self._assigned_ids = None
 
     # ----- routing -----------------------------------------------------------------------------
+    def queue_of(self, request: RequestView) -> int:
+        return bucket_of(request.num_prompt_tokens, self._bounds)
+
+    def on_arrival(self, request: RequestView) -> None:
+        self._roll(self._clock())
+        self._demand[self.queue_of(request)] += self._cost.prompt_seconds(request.num_prompt_tokens,
+                                                                          request.num_cached_tokens)
+
+    def dispatch(self, heads: Sequence[tuple[int, RequestView]],
+                 instances: Sequence[InstanceView]) -> tuple[int, Pick] | None:
+        """The oldest head whose bucket has an instance with room goes to the least loaded of
+        them; a head whose bucket has none borrows the least loaded instance with room of a
+        bucket that has nobody waiting."""
+        candidates = self._divided(instances)
+        roomy = [i for i in candidates if i.queued_compute_s <= self._room_s]
+        waiting = {bucket for bucket, _ in heads}
+        for bucket, request in heads:
+            members = [i for i in roomy if self._assignment.get(i.instance_id) == bucket] or \
+                [i for i in roomy if self._assignment.get(i.instance_id) not in waiting]
+            if members:
+                return bucket, self._pick_of(min(members, key=_load), bucket)
+        return None
+
+    def wake_after_s(self, instances: Sequence[InstanceView]) -> float | None:
+        """When the first available instance's queued compute drains to ``room_s``."""
+        drains = [i.queued_compute_s - self._room_s for i in available(instances)]
+        return max(min(drains), _MIN_WAKE_S) if drains else None
+
     def pick(self, request: RequestView, instances: Sequence[InstanceView]) -> Pick | None:
-        candidates = available(instances)
+        candidates = self._divided(instances)
         if not candidates:
             return None
-        self._roll(self._clock())
-        ids = frozenset(i.instance_id for i in candidates)
-        if ids != self._assigned_ids:
-            self._divide(ids)
-        bucket = bucket_of(request.num_prompt_tokens, self._bounds)
+        bucket = self.queue_of(request)
         members = [i for i in candidates if self._assignment.get(i.instance_id) == bucket]
         chosen = min(members or candidates, key=_load)
         if members:
@@ -219,15 +263,22 @@ class PrefillBuckets(Policy):
             outside = min(candidates, key=_load)
             if outside.queued_compute_s + own_s < chosen.queued_compute_s or (_is_idle(outside) and not _is_idle(chosen)):
                 chosen = outside
+        return self._pick_of(chosen, bucket)
+
+    def _pick_of(self, chosen: InstanceView, bucket: int) -> Pick:
         return Pick(chosen.instance_id, chosen.queued_compute_s, {
             "bucket": float(bucket), "queued_compute_s": chosen.queued_compute_s,
             "requests": float(num_requests(chosen)),
             "borrowed": float(self._assignment.get(chosen.instance_id) != bucket)})
 
-    def on_pick(self, request: RequestView, pick: Pick) -> None:
+    def _divided(self, instances: Sequence[InstanceView]) -> list[InstanceView]:
+        """The available instances, the buckets divided among them for the current round."""
+        candidates = available(instances)
         self._roll(self._clock())
-        bucket = bucket_of(request.num_prompt_tokens, self._bounds)
-        self._demand[bucket] += self._cost.prompt_seconds(request.num_prompt_tokens, request.num_cached_tokens)
+        ids = frozenset(i.instance_id for i in candidates)
+        if ids != self._assigned_ids:
+            self._divide(ids)
+        return candidates
 
     def _roll(self, now: float) -> None:
         """Close the round once ``round_s`` has passed (the first round starts at the first call)."""

@@ -68,7 +68,9 @@ def parser() -> argparse.ArgumentParser:
                    help="blocks the shared KV store index holds")
     p.add_argument("--hits-at", choices=("start", "arrival"), default="start",
                    help="when a prefill's KV store hit is looked up (see SimConfig.hits_at)")
-    p.add_argument("--round-s", type=float, default=None, help="prefill buckets' round period (policy default)")
+    p.add_argument("--round-s", type=float, default=None, help="prefill buckets' round period (default: the live 10 s x the trace's time factor)")
+    p.add_argument("--room-s", type=float, default=None,
+                   help="prefill buckets: queued compute under which an instance takes a waiting request")
     p.add_argument("--bucket-bounds", type=int_list, default=None, help="3 prompt-length bounds, e.g. 16384,65536,262144")
     p.add_argument("--bucket-caps", type=int_list, default=None, help="4 per-bucket instance caps (0: none)")
     return p
@@ -76,7 +78,8 @@ def parser() -> argparse.ArgumentParser:
 
 def bucket_settings(args: argparse.Namespace) -> dict[str, Any] | None:
     """What the live router passes to the prefill buckets' ``configure`` (only what was given)."""
-    settings = {"bounds": args.bucket_bounds, "caps": args.bucket_caps, "round_s": args.round_s}
+    settings = {"bounds": args.bucket_bounds, "caps": args.bucket_caps, "round_s": args.round_s,
+                "room_s": args.room_s}
     settings = {key: value for key, value in settings.items() if value is not None}
     return settings or None
 
@@ -105,10 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         print(table(reports), end="\n\n")
     if args.plot is not None:
         print(f"utilization plot: {plot_utilization(reports, args.plot)}")
-    print(f"{len(requests)} requests, {args.prefill} prefill + {args.decode} decode, "
-          f"{len(reports)} run(s) in {time.perf_counter() - started:.1f} s")
+    round_s = experiment.round_s if args.round_s is None else args.round_s
+    print(f"{len(requests)} requests, {args.prefill} prefill + {args.decode} decode, prefill bucket "
+          f"rounds of {round_s:.3g} s, {len(reports)} run(s) in {time.perf_counter() - started:.1f} s")
     if args.json:
-        figures = reports[0].as_json()
+        figures = {**reports[0].as_json(), "round_s": round(round_s, 6)}
         if len(reports) > 1:
             figures["compare"] = {r.policy: r.summary() for r in reports[1:]}
         print(json.dumps(figures))

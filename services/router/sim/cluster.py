@@ -3,19 +3,22 @@ own policies.
 
 Life cycle of a request in the simulation::
 
-    arrival (router looks the prefix up) ──> Prefill LB picks ──> prefill queue ──> prefill (KV
-    store hit looked up again when it starts; its new blocks stored when it ends; first token
-    out) ──> Decode LB picks ──> decode batch (joins at the next step boundary) ──> last token
+    arrival (router looks the prefix up) ──> Prefill LB picks (a queueing policy: the request
+    waits in the router's queue until it dispatches it) ──> prefill queue ──> prefill (KV store
+    hit looked up again when it starts; its new blocks stored when it ends; first token out)
+    ──> Decode LB picks ──> decode batch (joins at the next step boundary) ──> last token
 
 Routing goes through ``services.router.policies`` exactly as the live router calls it: the
 policy made by ``make_policy`` gets a ``RequestView`` and one ``InstanceView`` snapshot per
-instance, returns a ``Pick``, then hears ``on_pick``. The prefix hits come from one shared
+instance, returns a ``Pick``, then hears ``on_pick``; a queueing policy's requests wait in
+``services.router.policies.waiting`` and are dispatched after every event, and at the wake-up
+the policy asks for. The prefix hits come from one shared
 ``kvstore.index.EmbeddedIndex`` (the KV store: any prefill instance hits any prefix) on the
 simulation clock; the router's lookup at arrival fills ``RequestView.num_cached_tokens``.
 Snapshots are exact (the live router's are up to one load report old).
 
-Events at the same instant run decode finishes first, then prefill ends, then arrivals, so a
-snapshot never shows work that is already over.
+Events at the same instant run decode finishes first, then prefill ends, then arrivals, then
+wake-ups, so a snapshot never shows work that is already over.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 from kvstore.index import DEFAULT_CAPACITY_BLOCKS, EmbeddedIndex
 from services.common.cost_model import PrefillCost
 from services.router.policies import POLICIES, Policy, RequestView, make_policy
+from services.router.policies.waiting import Waiting, dispatched
 from services.router.sim.instances import Queued, SimDecode, SimPrefill
 from services.router.sim.trace import TraceRequest
 from services.router.sim.work import CHAT_TTL_S, Costs
@@ -39,7 +43,7 @@ SPEC = "spec"
 """The SPEC balancers: prefill_buckets for prefill, decode_balance for decode."""
 SPEC_POLICIES = {"prefill": "prefill_buckets", "decode": "decode_balance"}
 
-_DECODE_FINISH, _PREFILL_DONE, _ARRIVAL = 0, 1, 2
+_DECODE_FINISH, _PREFILL_DONE, _ARRIVAL, _WAKE = 0, 1, 2, 3
 
 
 class SimClock:
@@ -106,6 +110,7 @@ class SimResult:
     records: list[RequestRecord]
     prefills: list[SimPrefill]
     decodes: list[SimDecode]
+    prefill_policy: Policy
 
 
 def policy_names(policy: str) -> dict[str, str]:
@@ -146,6 +151,9 @@ class Cluster:
         self._prefill_by_id = {p.instance_id: p for p in self.prefills}
         self._decode_by_id = {d.instance_id: d for d in self.decodes}
         self._records: dict[str, RequestRecord] = {}
+        self._waiting: Waiting[RequestRecord] = Waiting()
+        """Requests a queueing prefill policy holds at the router."""
+        self._wake_at: float | None = None
         self._events: list[tuple[float, int, int, Any, int]] = []
         self._seq = 0
 
@@ -161,9 +169,13 @@ class Cluster:
                 self._route_prefill(target)
             elif kind == _PREFILL_DONE:
                 self._prefill_done(target)
+            elif kind == _WAKE:
+                if at == self._wake_at:
+                    self._wake_at = None
+                    self._dispatch_prefills()
             elif version == target.version:
                 self._decode_finish(target)
-        return SimResult(list(self._records.values()), self.prefills, self.decodes)
+        return SimResult(list(self._records.values()), self.prefills, self.decodes, self.prefill_policy)
 
     def _push(self, at: float, kind: int, target: Any, version: int = 0) -> None:
         self._seq += 1
@@ -185,10 +197,34 @@ class Cluster:
         record.prefill_s = self.costs.prefill_seconds(request.input_length, record.num_cached)
         view = RequestView(request.request_id, request.input_length, request.output_length,
                            record.block_hashes, record.num_cached)
-        record.prefill_id = self._pick(self.prefill_policy, view, self.prefills, "prefill")
-        instance = self._prefill_by_id[record.prefill_id]
-        instance.enqueue(Queued(request, record.num_cached, record.prefill_s))
+        self.prefill_policy.on_arrival(view)
+        if self.prefill_policy.queues:
+            self._waiting.add(self.prefill_policy.queue_of(view), view, record)
+            self._dispatch_prefills()
+        else:
+            self._send_prefill(record, self._pick(self.prefill_policy, view, self.prefills, "prefill"))
+
+    def _send_prefill(self, record: RequestRecord, instance_id: str) -> None:
+        record.prefill_id = instance_id
+        instance = self._prefill_by_id[instance_id]
+        instance.enqueue(Queued(record.request, record.num_cached, record.prefill_s))
         self._start_prefill(instance)
+
+    def _dispatch_prefills(self) -> None:
+        """Whatever the queueing policy starts now; if some still wait, a wake-up when it says."""
+        def views() -> list:
+            return [p.view(self.clock.now) for p in self.prefills]
+
+        for _, pick, record in dispatched(self.prefill_policy, self._waiting, views):
+            self._send_prefill(record, pick.instance_id)
+        if not len(self._waiting):
+            return
+        after = self.prefill_policy.wake_after_s(views())
+        if after is None:
+            return
+        if self._wake_at is None or self.clock.now + after < self._wake_at:
+            self._wake_at = self.clock.now + after
+            self._push(self._wake_at, _WAKE, None)
 
     def _start_prefill(self, instance: SimPrefill) -> None:
         item = instance.next_up()
@@ -214,6 +250,8 @@ class Cluster:
         else:
             self._route_decode(record)
         self._start_prefill(instance)
+        if len(self._waiting):
+            self._dispatch_prefills()
 
     # ----- decode -----------------------------------------------------------------------------
     def _route_decode(self, record: RequestRecord) -> None:

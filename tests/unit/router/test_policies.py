@@ -25,7 +25,8 @@ def req(num_prompt_tokens: int = 100, request_id: str = "r", **fields) -> Reques
 
 
 def route(policy: Policy, request: RequestView, instances: list[InstanceView]) -> str:
-    """Pick and report back, the way the instance pool does."""
+    """Arrive, pick and report back, the way the instance pool does."""
+    policy.on_arrival(request)
     chosen = policy.pick(request, instances)
     assert chosen is not None
     policy.on_pick(request, chosen)
