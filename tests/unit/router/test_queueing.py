@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -106,98 +107,92 @@ def test_dispatched_sends_until_the_policy_holds_and_reports_each_pick():
 
 
 # ----- the live router's pool ----------------------------------------------------------------------
-def pool_of(policy, num: int = 2) -> InstancePool:
-    return InstancePool("prefill", tuple(f"10.0.0.{i}:1" for i in range(num)), lambda channel: None, policy)
+def with_pool(scenario: Callable[[InstancePool], Awaitable[None]], num: int = 2, room_s: float = 0.0) -> None:
+    """Runs ``scenario`` on a pool of ``num`` prefill instances (never connected) under the
+    prefill buckets with one pooled round and ``room_s``; the pool is closed after."""
+    async def main() -> None:
+        pool = InstancePool("prefill", tuple(f"10.0.0.{i}:1" for i in range(num)), lambda channel: None,
+                            PrefillBuckets(bounds=BOUNDS, round_s=10.0, room_s=room_s))
+        try:
+            await scenario(pool)
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
 
 
 def test_the_pool_holds_requests_until_a_release_or_report_makes_room():
-    async def scenario() -> None:
-        pool = pool_of(PrefillBuckets(bounds=BOUNDS, round_s=10.0, room_s=0.0))
-        try:
-            first = await pool.place(RequestView("a", 500))
-            second = await pool.place(RequestView("b", 500))
-            assert {first.instance.address, second.instance.address} == {"10.0.0.0:1", "10.0.0.1:1"}
-            third = asyncio.ensure_future(pool.place(RequestView("c", 500)))
-            await asyncio.sleep(0.01)
-            assert not third.done() and pool.waiting.sizes() == {1: 1}   # 100 <= 500 < 1,000
-            pool.release(first)                    # a's prefill returned: its instance has room
-            assert (await asyncio.wait_for(third, 5)).instance is first.instance
-            # A report that no longer shows b's work makes room too.
-            fourth = asyncio.ensure_future(pool.place(RequestView("d", 500)))
-            await asyncio.sleep(0.01)
-            assert not fourth.done()
-            second.instance.on_report(LoadReport("p1", "prefill"), time.monotonic())
-            pool.dispatch()
-            assert (await asyncio.wait_for(fourth, 5)).instance is second.instance
-            # b's release after that report uncounts nothing twice: p1 stays at what d costs.
-            pool.release(second)
-            assert second.instance.num_sent == 1 and second.instance.done_s == pytest.approx(second.compute_s)
-        finally:
-            await pool.close()
+    async def scenario(pool: InstancePool) -> None:
+        first = await pool.place(RequestView("a", 500))
+        second = await pool.place(RequestView("b", 500))
+        assert {first.instance.address, second.instance.address} == {"10.0.0.0:1", "10.0.0.1:1"}
+        third = asyncio.ensure_future(pool.place(RequestView("c", 500)))
+        await asyncio.sleep(0.01)
+        assert not third.done() and pool.waiting.sizes() == {1: 1}   # 100 <= 500 < 1,000
+        pool.release(first)                    # a's prefill returned: its instance has room
+        assert (await asyncio.wait_for(third, 5)).instance is first.instance
+        # A report that no longer shows b's work makes room too.
+        fourth = asyncio.ensure_future(pool.place(RequestView("d", 500)))
+        await asyncio.sleep(0.01)
+        assert not fourth.done()
+        second.instance.on_report(LoadReport("p1", "prefill"), time.monotonic())
+        pool.dispatch()
+        assert (await asyncio.wait_for(fourth, 5)).instance is second.instance
+        # b's release after that report uncounts nothing twice: p1 stays at what d costs.
+        pool.release(second)
+        assert second.instance.num_sent == 1 and second.instance.done_s == pytest.approx(second.compute_s)
 
-    asyncio.run(scenario())
+    with_pool(scenario)
 
 
 def test_a_request_that_leaves_while_queued_takes_nothing_with_it():
-    async def scenario() -> None:
-        pool = pool_of(PrefillBuckets(bounds=BOUNDS, round_s=10.0, room_s=0.0), num=1)
-        try:
-            held = await pool.place(RequestView("a", 500))
-            leaving = asyncio.ensure_future(pool.place(RequestView("b", 500)))
-            await asyncio.sleep(0.01)
-            leaving.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await leaving
-            assert len(pool.waiting) == 0
-            pool.release(held)
-            instance = held.instance
-            assert (instance.num_sent, instance.sent_s) == (0, 0.0)
-        finally:
-            await pool.close()
+    async def scenario(pool: InstancePool) -> None:
+        held = await pool.place(RequestView("a", 500))
+        leaving = asyncio.ensure_future(pool.place(RequestView("b", 500)))
+        await asyncio.sleep(0.01)
+        leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        assert len(pool.waiting) == 0
+        pool.release(held)
+        instance = held.instance
+        assert (instance.num_sent, instance.sent_s) == (0, 0.0)
 
-    asyncio.run(scenario())
+    with_pool(scenario, num=1)
 
 
 def test_the_policys_wake_up_dispatches_with_no_event_at_all():
-    async def scenario() -> None:
-        pool = pool_of(PrefillBuckets(bounds=BOUNDS, round_s=10.0, room_s=0.1), num=1)
-        try:
-            (instance,) = pool.instances
-            instance.on_report(LoadReport("p0", "prefill", queued_prefill_compute_s=0.3), time.monotonic())
-            started = time.monotonic()
-            placed = await asyncio.wait_for(pool.place(RequestView("a", 50)), 5)
-            # Reported 0.3 s of work drains to the 0.1 s of room after ~0.2 s.
-            assert placed.instance is instance and time.monotonic() - started >= 0.15
-        finally:
-            await pool.close()
+    async def scenario(pool: InstancePool) -> None:
+        (instance,) = pool.instances
+        instance.on_report(LoadReport("p0", "prefill", queued_prefill_compute_s=0.3), time.monotonic())
+        started = time.monotonic()
+        placed = await asyncio.wait_for(pool.place(RequestView("a", 50)), 5)
+        # Reported 0.3 s of work drains to the 0.1 s of room after ~0.2 s.
+        assert placed.instance is instance and time.monotonic() - started >= 0.15
 
-    asyncio.run(scenario())
+    with_pool(scenario, num=1, room_s=0.1)
 
 
 def test_waiting_requests_fail_as_unavailable_once_no_instance_is_left_and_move_on_a_policy_switch():
-    async def scenario() -> None:
-        pool = pool_of(PrefillBuckets(bounds=BOUNDS, round_s=10.0, room_s=0.0), num=2)
-        try:
-            held = [await pool.place(RequestView(f"h{i}", 500)) for i in range(2)]
-            doomed = asyncio.ensure_future(pool.place(RequestView("x", 500)))
-            await asyncio.sleep(0.01)
-            for instance in pool.instances:
-                pool.set_drained(instance, True)
-            with pytest.raises(UnavailableError, match="no prefill instance is available"):
-                await asyncio.wait_for(doomed, 5)
-            assert len(pool.waiting) == 0
-            pool.set_drained(pool.instances[0], False)
-            moved = asyncio.ensure_future(pool.place(RequestView("y", 500)))
-            await asyncio.sleep(0.01)
-            assert not moved.done()
-            pool.set_policy(make_policy("round_robin"))   # not queueing: placed at once
-            assert (await asyncio.wait_for(moved, 5)).instance is pool.instances[0]
-            for placement in held:
-                pool.release(placement)
-        finally:
-            await pool.close()
+    async def scenario(pool: InstancePool) -> None:
+        held = [await pool.place(RequestView(f"h{i}", 500)) for i in range(2)]
+        doomed = asyncio.ensure_future(pool.place(RequestView("x", 500)))
+        await asyncio.sleep(0.01)
+        for instance in pool.instances:
+            pool.set_drained(instance, True)
+        with pytest.raises(UnavailableError, match="no prefill instance is available"):
+            await asyncio.wait_for(doomed, 5)
+        assert len(pool.waiting) == 0
+        pool.set_drained(pool.instances[0], False)
+        moved = asyncio.ensure_future(pool.place(RequestView("y", 500)))
+        await asyncio.sleep(0.01)
+        assert not moved.done()
+        pool.set_policy(make_policy("round_robin"))   # not queueing: placed at once
+        assert (await asyncio.wait_for(moved, 5)).instance is pool.instances[0]
+        for placement in held:
+            pool.release(placement)
 
-    asyncio.run(scenario())
+    with_pool(scenario)
 
 
 # ----- the simulator ---------------------------------------------------------------------------------
