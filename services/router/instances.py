@@ -31,8 +31,8 @@ from typing import Generic, TypeVar
 import grpc
 import grpc.aio
 
-from services.common.cost_model import PrefillCost
 from services.common import metrics
+from services.common.cost_model import PrefillCost
 from services.common.errors import UnavailableError
 from services.common.server import MAX_MESSAGE_BYTES
 from services.common.wire import LoadReport, load_from_proto
@@ -72,6 +72,7 @@ class Instance(Generic[S]):
     done_s: float = 0.0
     """Estimated compute of this router's requests that it counted and that finished since."""
     num_reports: int = 0
+    """Load reports received (a placement remembers the count it was sent at)."""
 
     def __post_init__(self) -> None:
         self.instance_id = self.instance_id or self.address
