@@ -8,7 +8,8 @@ from yet counts as healthy (so a router starting with its instances works at onc
 and drained instances get no new requests; requests already there finish.
 
 Between two reports the pool counts the requests it sent (``num_sent``, and their estimated
-compute), so a burst does not all land on the instance that looked idlest at the last report;
+compute, the reference cost model scaled to what the instance's own fitted model says of its
+queue: a CPU engine is far slower than the reference card), so a burst does not all land on the instance that looked idlest at the last report;
 the reported queued compute is taken to drain at one second per second, or by what this
 router's requests there finished, whichever says more.
 
@@ -73,6 +74,9 @@ class Instance(Generic[S]):
     """Estimated compute of this router's requests that it counted and that finished since."""
     num_reports: int = 0
     """Load reports received (a placement remembers the count it was sent at)."""
+    cost_scale: float = 1.0
+    """Its own estimate of its queued prefill over the reference cost model's, last time it
+    reported both (what the router multiplies its own estimates by)."""
 
     def __post_init__(self) -> None:
         self.instance_id = self.instance_id or self.address
@@ -89,7 +93,9 @@ class Instance(Generic[S]):
         drained = max(now - self.report_at, self.done_s) if self.load is not None else self.done_s
         return max(0.0, reported - drained) + self.sent_s
 
-    def on_report(self, report: LoadReport, now: float) -> None:
+    def on_report(self, report: LoadReport, now: float, cost: PrefillCost) -> None:
+        if report.queued_prefill_compute_s > 0 and report.num_queued_prefill_tokens > 0:
+            self.cost_scale = report.queued_prefill_compute_s / cost.seconds(report.num_queued_prefill_tokens)
         self.load, self.report_at = report, now
         self.instance_id = report.instance_id or self.address
         self.is_broken, self.num_sent, self.sent_s, self.done_s = False, 0, 0.0, 0.0
@@ -175,8 +181,8 @@ class InstancePool(Generic[S]):
         self.picks[self.policy.name] += 1
         self.last_pick = chosen
         instance = self.find(chosen.instance_id)
-        compute_s = self.cost.prompt_seconds(request.num_prompt_tokens, request.num_cached_tokens) \
-            if self.role == "prefill" else 0.0
+        compute_s = instance.cost_scale * self.cost.prompt_seconds(
+            request.num_prompt_tokens, request.num_cached_tokens) if self.role == "prefill" else 0.0
         instance.num_sent += 1
         instance.sent_s += compute_s
         logger.debug("%s pick %s for %s: %s", self.role, instance.address, request.request_id, dict(chosen.breakdown))
@@ -271,7 +277,7 @@ class InstancePool(Generic[S]):
         while True:
             try:
                 async for message in instance.stub.WatchLoad(request, wait_for_ready=True):
-                    instance.on_report(load_from_proto(message), time.monotonic())
+                    instance.on_report(load_from_proto(message), time.monotonic(), self.cost)
                     self.dispatch()
             except grpc.aio.AioRpcError as exc:
                 if not instance.is_broken:

@@ -135,7 +135,7 @@ def test_the_pool_holds_requests_until_a_release_or_report_makes_room():
         fourth = asyncio.ensure_future(pool.place(RequestView("d", 500)))
         await asyncio.sleep(0.01)
         assert not fourth.done()
-        second.instance.on_report(LoadReport("p1", "prefill"), time.monotonic())
+        second.instance.on_report(LoadReport("p1", "prefill"), time.monotonic(), pool.cost)
         pool.dispatch()
         assert (await asyncio.wait_for(fourth, 5)).instance is second.instance
         # b's release after that report uncounts nothing twice: p1 stays at what d costs.
@@ -164,7 +164,7 @@ def test_a_request_that_leaves_while_queued_takes_nothing_with_it():
 def test_the_policys_wake_up_dispatches_with_no_event_at_all():
     async def scenario(pool: InstancePool) -> None:
         (instance,) = pool.instances
-        instance.on_report(LoadReport("p0", "prefill", queued_prefill_compute_s=0.3), time.monotonic())
+        instance.on_report(LoadReport("p0", "prefill", queued_prefill_compute_s=0.3), time.monotonic(), pool.cost)
         started = time.monotonic()
         placed = await asyncio.wait_for(pool.place(RequestView("a", 50)), 5)
         # Reported 0.3 s of work drains to the 0.1 s of room after ~0.2 s.
@@ -193,6 +193,25 @@ def test_waiting_requests_fail_as_unavailable_once_no_instance_is_left_and_move_
             pool.release(placement)
 
     with_pool(scenario)
+
+
+def test_what_the_router_sent_is_priced_at_the_instances_own_speed():
+    async def scenario(pool: InstancePool) -> None:
+        slow, fast = pool.instances
+        # slow's fitted model prices its 1,000 queued tokens at 3 s, 88x the reference card's.
+        slow.on_report(LoadReport("p0", "prefill", num_queued_prefill_tokens=1_000, queued_prefill_compute_s=3.0),
+                       time.monotonic(), pool.cost)
+        assert slow.cost_scale == pytest.approx(3.0 / pool.cost.seconds(1_000))
+        assert fast.cost_scale == 1.0
+        placed = await pool.place(RequestView("a", 500))     # fast: nothing queued
+        assert placed.instance is fast and placed.compute_s == pytest.approx(pool.cost.prompt_seconds(500))
+        pool.release(placed)
+        fast.is_drained = True
+        placed = await asyncio.wait_for(pool.place(RequestView("b", 500)), 5)   # slow: 3 s is within its room
+        assert placed.compute_s == pytest.approx(slow.cost_scale * pool.cost.prompt_seconds(500))
+        assert slow.sent_s == pytest.approx(placed.compute_s)
+
+    with_pool(scenario, room_s=3.0)
 
 
 # ----- the simulator ---------------------------------------------------------------------------------
