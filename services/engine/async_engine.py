@@ -58,6 +58,8 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
+        if self.engine.grammar_compiler is not None:
+            threading.Thread(target=self.engine.grammar_compiler.warm_up, name="grammar-warm-up", daemon=True).start()
 
     async def stop(self) -> None:
         if self._thread is not None:

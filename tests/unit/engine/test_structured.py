@@ -217,6 +217,21 @@ def test_the_compile_cache_evicts_the_least_recently_used(llm):
     assert compiler.num_misses == misses + 1
 
 
+def test_warm_up_builds_the_tokenizer_view_once_and_leaves_errors_to_requests(llm):
+    from services.engine.structured import GrammarCompiler
+
+    compiler = GrammarCompiler(llm.tokenizer, llm.engine.model_config.vocab_size, llm.engine.eos_token_ids)
+    compiler.warm_up()
+    built = compiler._lltokenizer
+    assert built is not None
+    compiler.compile(StructuredOutput("regex", "a+"))
+    assert compiler._lltokenizer is built
+    narrow = GrammarCompiler(llm.tokenizer, 8, llm.engine.eos_token_ids)   # logits narrower than the vocabulary
+    narrow.warm_up()
+    with pytest.raises(InvalidRequestError, match="to fit the model's 8 logits"):
+        narrow.compile(StructuredOutput("regex", "a+"))
+
+
 @pytest.mark.parametrize("structured, message", [
     (StructuredOutput("json_schema", '{"type": "object",'), "not valid JSON"),
     (StructuredOutput("json_schema", '{"type": "objekt"}'), "not a valid JSON Schema"),
@@ -302,6 +317,9 @@ def test_the_engine_keeps_stepping_while_a_grammar_compiles(llm, prompt, monkeyp
     real = llm.engine.grammar_compiler
 
     class SlowCompiler:
+        def warm_up(self):
+            real.warm_up()
+
         def compile(self, structured):
             started.set()
             release.wait(20)
