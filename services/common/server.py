@@ -51,6 +51,7 @@ from services.common import metrics
 from services.common.config import check
 from services.common.errors import EPDError, UnavailableError
 from services.common.grpc_errors import abort_with, error_from_rpc
+from services.common.wire import LoadReport, load_to_proto, model_info_to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -335,6 +336,33 @@ async def watch_load(report: Callable[[], Any], to_proto: Callable[[Any], Any], 
     while True:
         yield to_proto(report())
         await asyncio.sleep(interval_s or default_interval_s)
+
+
+class LoadRpcs:
+    """GetLoad and WatchLoad, served the same way by every instance: a servicer mixes this in
+    (before its generated base) and gives its ``load_report()``."""
+
+    def load_report(self) -> LoadReport:
+        raise NotImplementedError
+
+    async def GetLoad(self, request, context):
+        return load_to_proto(self.load_report())
+
+    async def WatchLoad(self, request, context):
+        async for report in watch_load(self.load_report, load_to_proto, request.interval_s):
+            yield report
+
+
+class EngineRpcs(LoadRpcs):
+    """The instance RPCs of an engine service's servicer over its ``worker`` (prefill, decode)."""
+
+    worker: Any
+
+    def load_report(self) -> LoadReport:
+        return self.worker.load_report()
+
+    async def GetModelInfo(self, request, context):
+        return model_info_to_proto(self.worker.instance.model_info())
 
 
 async def check_health(address: str, service_name: str = "", timeout_s: float = 1.0) -> str | None:

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-
 import grpc.aio
 
-from services.common.server import MAX_MESSAGE_BYTES
-from services.common.server import watch_load
-from services.common.wire import (kv_handle_from_proto, load_to_proto, logprobs_to_proto, model_info_to_proto,
-                                  spec_from_proto, stop_reason_to_proto)
+from services.common.server import MAX_MESSAGE_BYTES, EngineRpcs
+from services.common.wire import kv_handle_from_proto, logprobs_to_proto, spec_from_proto, stop_reason_to_proto
 from services.decode.worker import DecodeInput, DecodeWorker
 from services.pb import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+
+class DecodeServicer(EngineRpcs, decode_pb2_grpc.DecodeServicer):
     def __init__(self, worker: DecodeWorker) -> None:
         self.worker = worker
 
@@ -31,16 +29,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     logprobs=[logprobs_to_proto(lp) for lp in chunk.logprobs])
         finally:
             await chunks.aclose()
-
-    async def GetModelInfo(self, request, context):
-        return model_info_to_proto(self.worker.instance.model_info())
-
-    async def GetLoad(self, request, context):
-        return load_to_proto(self.worker.load_report())
-
-    async def WatchLoad(self, request, context):
-        async for report in watch_load(self.worker.load_report, load_to_proto, request.interval_s):
-            yield report
 
 
 class LeaseReleaser:

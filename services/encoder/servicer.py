@@ -10,12 +10,13 @@ import asyncio
 import hashlib
 
 from services.common.errors import InvalidRequestError
-from services.common.server import watch_load
-from services.common.wire import LoadReport, load_to_proto
+from services.common.server import LoadRpcs
+from services.common.wire import LoadReport
 from services.encoder.worker import EncoderWorker, to_bytes
 from services.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
 
-class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
+
+class EncoderServicer(LoadRpcs, encoder_pb2_grpc.EncoderServicer):
     def __init__(self, worker: EncoderWorker, instance_id: str, max_images: int, tower_id: bytes = b"") -> None:
         self.worker = worker
         self.tower_id = tower_id
@@ -47,10 +48,3 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
     def load_report(self) -> LoadReport:
         return LoadReport(self.instance_id, "encoder", num_running=int(self._lock.locked()),
                           num_patches_in_flight=self.num_patches_in_flight)
-
-    async def GetLoad(self, request, context):
-        return load_to_proto(self.load_report())
-
-    async def WatchLoad(self, request, context):
-        async for report in watch_load(self.load_report, load_to_proto, request.interval_s):
-            yield report

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-
-from services.common.server import watch_load
-from services.common.wire import (kv_handle_to_proto, load_to_proto, logprobs_to_proto, model_info_to_proto,
-                                  spec_from_proto, stop_reason_to_proto)
+from services.common.server import EngineRpcs
+from services.common.wire import kv_handle_to_proto, logprobs_to_proto, spec_from_proto, stop_reason_to_proto
 from services.pb import prefill_pb2, prefill_pb2_grpc
 from services.prefill.worker import PrefillWorker
 
-class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+
+class PrefillServicer(EngineRpcs, prefill_pb2_grpc.PrefillServicer):
     def __init__(self, worker: PrefillWorker) -> None:
         self.worker = worker
 
@@ -26,16 +25,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def Release(self, request, context):
         return prefill_pb2.ReleaseResponse(released=self.worker.release(request.lease_id))
-
-    async def GetModelInfo(self, request, context):
-        return model_info_to_proto(self.worker.instance.model_info())
-
-    async def GetLoad(self, request, context):
-        return load_to_proto(self.worker.load_report())
-
-    async def WatchLoad(self, request, context):
-        async for report in watch_load(self.worker.load_report, load_to_proto, request.interval_s):
-            yield report
 
 
 def add_to_server(server, worker: PrefillWorker) -> None:

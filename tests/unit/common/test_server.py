@@ -24,7 +24,9 @@ from services.common.config import ConfigError, check, parse_config
 from services.common.errors import (EPDError, InvalidRequestError, PromptTooLongError,
                                     UnavailableError)
 from services.common.grpc_errors import ERROR_CLASS_KEY, error_from_rpc
-from services.common.server import ServerOptions, check_health, serve, wait_for_health
+from services.common.server import LoadRpcs, ServerOptions, check_health, serve, wait_for_health
+from services.common.wire import LoadReport, load_from_proto
+from services.pb import common_pb2
 
 ROOT = Path(__file__).resolve().parents[3]
 SERVICE = "test.Demo"
@@ -319,3 +321,23 @@ def test_metrics_are_created_once():
     assert metrics.histogram("epd_test_ttft_seconds", "TTFT.", ["model"]) is first
     with pytest.raises(RuntimeError, match="already exists as Histogram"):
         metrics.counter("epd_test_ttft_seconds", "TTFT.", ["model"])
+
+
+def test_every_instance_serves_its_load_report_once_and_as_a_stream():
+    reports = iter(LoadReport("encoder-0", "encoder", num_patches_in_flight=n) for n in range(10))
+
+    class Servicer(LoadRpcs):
+        def load_report(self) -> LoadReport:
+            return next(reports)
+
+    async def main() -> list[LoadReport]:
+        servicer = Servicer()
+        got = [load_from_proto(await servicer.GetLoad(common_pb2.LoadRequest(), None))]
+        stream = servicer.WatchLoad(common_pb2.WatchLoadRequest(interval_s=0.01), None)
+        got += [load_from_proto(await anext(stream)) for _ in range(2)]
+        await stream.aclose()
+        return got
+
+    got = asyncio.run(main())
+    assert [(r.instance_id, r.role, r.num_patches_in_flight) for r in got] == [
+        ("encoder-0", "encoder", 0), ("encoder-0", "encoder", 1), ("encoder-0", "encoder", 2)]
