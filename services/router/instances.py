@@ -9,9 +9,9 @@ and drained instances get no new requests; requests already there finish.
 
 Between two reports the pool counts the requests it sent (``num_sent``, and their estimated
 compute, the reference cost model scaled to what the instance's own fitted model says of its
-queue: a CPU engine is far slower than the reference card), so a burst does not all land on the instance that looked idlest at the last report;
-the reported queued compute is taken to drain at one second per second, or by what this
-router's requests there finished, whichever says more.
+queue: a CPU engine is far slower than the reference card), so a burst does not all land on the
+instance that looked idlest at the last report; the reported queued compute is taken to drain at
+one second per second, or by what this router's requests there finished, whichever says more.
 
 Under a **queueing** policy (the prefill buckets) :meth:`InstancePool.place` holds a request in
 the router's queues (``services/router/policies/waiting.py``) until the policy dispatches it:

@@ -61,7 +61,7 @@ class Waiting(Generic[T]):
 
 
 def dispatched(policy: Policy, waiting: Waiting[T],
-             views: Callable[[], Sequence[InstanceView]]) -> Iterator[tuple[RequestView, Pick, T]]:
+               views: Callable[[], Sequence[InstanceView]]) -> Iterator[tuple[RequestView, Pick, T]]:
     """Starts waiting requests for as long as ``policy.dispatch`` finds room; the caller sends
     each one before asking for the next (``views`` must then show it)."""
     while len(waiting):

@@ -68,7 +68,8 @@ def parser() -> argparse.ArgumentParser:
                    help="blocks the shared KV store index holds")
     p.add_argument("--hits-at", choices=("start", "arrival"), default="start",
                    help="when a prefill's KV store hit is looked up (see SimConfig.hits_at)")
-    p.add_argument("--round-s", type=float, default=None, help="prefill buckets' round period (default: the live 10 s x the trace's time factor)")
+    p.add_argument("--round-s", type=float, default=None,
+                   help="prefill buckets' round period (default: the live 10 s x the trace's time factor)")
     p.add_argument("--room-s", type=float, default=None,
                    help="prefill buckets: queued compute under which an instance takes a waiting request")
     p.add_argument("--bucket-bounds", type=int_list, default=None, help="3 prompt-length bounds, e.g. 16384,65536,262144")
