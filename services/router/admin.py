@@ -146,6 +146,7 @@ def create_admin_app(pools: dict[str, InstancePool], token: str,
 
     @app.get("/admin/prefill/buckets", dependencies=[Depends(authorized)])
     def buckets() -> dict[str, Any]:
+        buckets_policy()
         return _buckets_body(pools["prefill"])
 
     @app.put("/admin/prefill/buckets", dependencies=[Depends(authorized)])

@@ -8,10 +8,12 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+import httpx
 import pytest
 
 from services.common.errors import UnavailableError
 from services.common.wire import LoadReport
+from services.router.admin import create_admin_app
 from services.router.instances import InstancePool
 from services.router.policies import InstanceView, Pick, RequestView, make_policy
 from services.router.policies.prefill_buckets import PrefillBuckets
@@ -212,6 +214,34 @@ def test_what_the_router_sent_is_priced_at_the_instances_own_speed():
         assert slow.sent_s == pytest.approx(placed.compute_s)
 
     with_pool(scenario, room_s=3.0)
+
+
+def test_the_admin_api_shows_and_sets_the_room_and_what_waits():
+    async def scenario(pool: InstancePool) -> None:
+        held = [await pool.place(RequestView(f"h{i}", 500)) for i in range(2)]
+        waiting = asyncio.ensure_future(pool.place(RequestView("w", 5_000)))
+        await asyncio.sleep(0.01)
+        app = create_admin_app({"prefill": pool}, "t0ken")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://admin",
+                                     headers={"Authorization": "Bearer t0ken"}) as client:
+            body = (await client.get("/admin/prefill/buckets")).json()
+            assert (body["room_s"], body["waiting"]) == (0.0, {"2": 1})
+            bad = await client.put("/admin/prefill/buckets", json={"room_s": -1})
+            assert bad.status_code == 400 and "room_s" in bad.json()["error"]["message"]
+            # New bounds re-queue what waits: 5,000 tokens is now bucket 3.
+            moved = await client.put("/admin/prefill/buckets", json={"bounds": [10, 20, 30]})
+            assert moved.json()["waiting"] == {"3": 1}
+            # More room lets it start at once (each instance has ~28 ms of reference compute queued).
+            roomy = await client.put("/admin/prefill/buckets", json={"room_s": 0.5})
+            assert roomy.json()["room_s"] == 0.5 and roomy.json()["waiting"] == {}
+            assert (await asyncio.wait_for(waiting, 5)).instance in pool.instances
+            await client.put("/admin/policies/prefill", json={"policy": "round_robin"})
+            no_buckets = await client.get("/admin/prefill/buckets")
+            assert no_buckets.status_code == 409 and "round_robin" in no_buckets.json()["error"]["message"]
+        for placement in held:
+            pool.release(placement)
+
+    with_pool(scenario)
 
 
 # ----- the simulator ---------------------------------------------------------------------------------
