@@ -56,7 +56,8 @@ def test_the_official_sdks_authenticate(gated):
     url, limiter, _ = gated
     with openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=10) as client:
         reply = client.chat.completions.create(**CHAT)
-    assert limiter.charged == [reply.usage.total_tokens]  # the route's count reached the tpm bucket
+    # The route's count reaches the tpm bucket when the response has gone out: wait for it.
+    assert limiter.released.wait(5) and limiter.charged == [reply.usage.total_tokens]
     with openai.OpenAI(base_url=f"{url}/v1", api_key="epd-wrong", max_retries=0) as client:
         with pytest.raises(openai.AuthenticationError):
             client.chat.completions.create(**CHAT)
@@ -64,9 +65,10 @@ def test_the_official_sdks_authenticate(gated):
                              max_retries=0) as claude:
         with pytest.raises(anthropic.AuthenticationError):
             claude.messages.create(model="test-model", max_tokens=5, messages=[{"role": "user", "content": "Hi"}])
+    limiter.released.clear()
     with anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=10) as claude:  # x-api-key
         message = claude.messages.create(model="test-model", max_tokens=5, messages=[{"role": "user", "content": "Hi"}])
-    assert limiter.charged[-1] == message.usage.input_tokens + message.usage.output_tokens
+    assert limiter.released.wait(5) and limiter.charged[-1] == message.usage.input_tokens + message.usage.output_tokens
     assert httpx.get(url + "/health").status_code == 200
 
 
