@@ -6,7 +6,7 @@
     GET  /admin/policies                       each role's policy, picks per policy, last pick
     PUT  /admin/policies/{role}                {"policy": name}: switch at once
     GET  /admin/prefill/buckets                bounds, caps, round period, room, allocation, last
-                                               demand, requests waiting per bucket
+                                               round's demand and backlog, requests waiting
     PUT  /admin/prefill/buckets                {"bounds"?, "caps"?, "round_s"?, "room_s"?}: at once
     POST /admin/keys, GET /admin/keys, POST /admin/keys/{id}/revoke    API keys (admin_keys.py)
 
@@ -170,7 +170,7 @@ def _buckets_body(pool: InstancePool) -> dict[str, Any]:
     policy = pool.policy
     return {"bounds": list(policy.bounds), "caps": list(policy.caps), "round_s": policy.round_s,
             "room_s": policy.room_s, "allocation": {str(b): list(ids) for b, ids in dict(policy.allocation).items()},
-            "last_demand_s": list(policy.last_demand_s),
+            "last_demand_s": list(policy.last_demand_s), "last_backlog_s": list(policy.last_backlog_s),
             "waiting": {str(b): n for b, n in pool.waiting.sizes().items()}}
 
 

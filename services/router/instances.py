@@ -173,6 +173,7 @@ class InstancePool(Generic[S]):
             self.policy.on_arrival(request)
         chosen = self.policy.pick(request, self.views())
         if chosen is None:
+            self.policy.on_leave(request)
             raise UnavailableError(f"no {self.role} instance is available (all unhealthy or drained)")
         self.policy.on_pick(request, chosen)
         return self._sent(request, chosen)
@@ -204,7 +205,9 @@ class InstancePool(Generic[S]):
             with QUEUE_WAIT.labels(self.role).time():
                 return await waiter.future
         except asyncio.CancelledError:
-            if not self.waiting.remove(waiter) and waiter.future.done() and not waiter.future.cancelled():
+            if self.waiting.remove(waiter):
+                self.policy.on_leave(request)
+            elif waiter.future.done() and not waiter.future.cancelled():
                 self.release(waiter.future.result())  # dispatched as its caller left
             raise
 
@@ -232,6 +235,7 @@ class InstancePool(Generic[S]):
             return
         if not available(self.views()):
             for waiter in self.waiting.drain():
+                self.policy.on_leave(waiter.request)
                 if not waiter.future.done():
                     waiter.future.set_exception(UnavailableError(
                         f"no {self.role} instance is available (all unhealthy or drained)"))

@@ -76,6 +76,9 @@ class PoolMetrics:
         families["bucket_demand"] = GaugeMetricFamily(
             "epd_router_bucket_demand_seconds", "Prefill compute (cost-model seconds) each bucket demanded in "
             "the last finished round.", labels=["bucket"])
+        families["bucket_backlog"] = GaugeMetricFamily(
+            "epd_router_bucket_backlog_seconds", "Prefill compute (cost-model seconds) still waiting in each "
+            "bucket's router queue when the last round closed.", labels=["bucket"])
         families["queue_waiting"] = GaugeMetricFamily(
             "epd_router_queue_waiting", "Requests waiting in the router's queue for an instance (a queueing "
             "policy; the prefill buckets keep one queue per bucket).", labels=["role", "queue"])
@@ -100,12 +103,16 @@ class PoolMetrics:
         policy = pool.policy
         allocation = getattr(policy, "allocation", None)
         demand_s = getattr(policy, "last_demand_s", None)
+        backlog_s = getattr(policy, "last_backlog_s", None)
         if allocation is not None:
             for bucket, instance_ids in allocation.items():
                 families["bucket_instances"].add_metric([str(bucket)], len(instance_ids))
         if demand_s is not None:
             for bucket, seconds in enumerate(demand_s):
                 families["bucket_demand"].add_metric([str(bucket)], seconds)
+        if backlog_s is not None:
+            for bucket, seconds in enumerate(backlog_s):
+                families["bucket_backlog"].add_metric([str(bucket)], seconds)
 
 
 _collector: PoolMetrics | None = None

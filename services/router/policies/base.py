@@ -81,6 +81,10 @@ class Policy(ABC):
     def on_pick(self, request: RequestView, pick: Pick) -> None:
         """The request was sent where ``pick`` says (stateful policies update here)."""
 
+    def on_leave(self, request: RequestView) -> None:
+        """``request`` arrived but leaves unplaced (its client went away while it waited, or it
+        failed: no instance was available)."""
+
     def queue_of(self, request: RequestView) -> int:
         """The router-side queue ``request`` waits in (queueing policies)."""
         return 0

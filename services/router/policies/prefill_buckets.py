@@ -6,7 +6,7 @@ bucket demanded in the previous round (seconds from the cost model, so one long 
 what it costs, not 1), with a per-bucket cap. Short prompts then never queue behind a 256K one,
 and no length class can starve the others.
 
-    round k-1: demand_s per bucket ──allocate──> counts ──assign (stable)──> instance -> bucket
+    round k-1: demand_s + backlog_s per bucket ──allocate──> counts ──assign (stable)──> instance -> bucket
     round k:   requests wait at the router, one queue per bucket; an instance with room (queued
                compute <= room_s) takes the oldest request of its own bucket, or, when its
                bucket's queue is empty, the oldest one of any other (nothing idles while work waits)
@@ -16,6 +16,10 @@ arrival on one instance's queue. Until a round with demand has finished there is
 divide by: all available instances form one pool and every request takes the first room anywhere
 (``borrowed`` = 1). A round without any demand keeps the last division that had some. Demand is
 recorded at arrival (``on_arrival``: what was asked, not what a busy bucket managed to send).
+What a round's division follows is its demand plus each bucket's **backlog** when it closed (the
+compute of its requests still waiting at the router): the next round must serve about what the
+last one brought and what is still owed. On demand alone a bucket that fell behind (a round that
+gave it few instances) would get only its arrival share and, at saturation, never catch up.
 ``pick`` places one request at once (least queued compute in its bucket, work-conserving), for
 callers that do not queue.
 """
@@ -166,6 +170,8 @@ class PrefillBuckets(Policy):
         self._bounds, self._caps, self._round_s, self._room_s = validated(bounds, caps, round_s, room_s)
         self._cost = cost
         self._clock = clock
+        self._unplaced: dict[str, RequestView] = {}
+        """Arrived, not yet sent (by request id): the backlog, bucketed by the current bounds."""
         self._reset_history()
 
     def _reset_history(self) -> None:
@@ -173,8 +179,10 @@ class PrefillBuckets(Policy):
         self._round_start: float | None = None
         self._demand = [0.0] * num_buckets
         self._last_demand = (0.0,) * num_buckets
+        self._last_backlog = (0.0,) * num_buckets
         self._basis: tuple[float, ...] | None = None
-        """The last finished round's demand that was not all zero: what the division follows."""
+        """The last finished round's demand plus backlog, when not all zero: what the division
+        follows."""
         self._assignment: dict[str, int] = {}
         self._assigned_ids: frozenset[str] | None = None
         """The available ids the assignment was made for; None: re-divide at the next pick."""
@@ -205,6 +213,11 @@ class PrefillBuckets(Policy):
     def last_demand_s(self) -> tuple[float, ...]:
         return self._last_demand
 
+    @property
+    def last_backlog_s(self) -> tuple[float, ...]:
+        """Compute still waiting at the router per bucket when the last round closed."""
+        return self._last_backlog
+
     def configure(self, bounds: Sequence[int] | None = None, caps: Sequence[int] | None = None,
                   round_s: float | None = None, room_s: float | None = None) -> None:
         """Change settings (all validated before any applies); a new number of buckets drops
@@ -225,8 +238,17 @@ class PrefillBuckets(Policy):
 
     def on_arrival(self, request: RequestView) -> None:
         self._roll(self._clock())
-        self._demand[self.queue_of(request)] += self._cost.prompt_seconds(request.num_prompt_tokens,
-                                                                          request.num_cached_tokens)
+        self._demand[self.queue_of(request)] += self._compute_s(request)
+        self._unplaced[request.request_id] = request
+
+    def on_pick(self, request: RequestView, pick: Pick) -> None:
+        self._unplaced.pop(request.request_id, None)
+
+    def on_leave(self, request: RequestView) -> None:
+        self._unplaced.pop(request.request_id, None)
+
+    def _compute_s(self, request: RequestView) -> float:
+        return self._cost.prompt_seconds(request.num_prompt_tokens, request.num_cached_tokens)
 
     def dispatch(self, heads: Sequence[tuple[int, RequestView]],
                  instances: Sequence[InstanceView]) -> tuple[int, Pick] | None:
@@ -287,9 +309,13 @@ class PrefillBuckets(Policy):
         if now - self._round_start < self._round_s:
             return
         self._last_demand = tuple(self._demand)
+        backlog = [0.0] * len(self._demand)
+        for request in self._unplaced.values():
+            backlog[self.queue_of(request)] += self._compute_s(request)
+        self._last_backlog = tuple(backlog)
         self._demand = [0.0] * len(self._demand)
-        if sum(self._last_demand) > 0:
-            self._basis = self._last_demand
+        if sum(self._last_demand) + sum(backlog) > 0:
+            self._basis = tuple(d + b for d, b in zip(self._last_demand, backlog))
         self._round_start = now
         self._assigned_ids = None
 

@@ -151,6 +151,8 @@ def test_pool_metrics_reads_load_health_buckets_and_picks():
         ("epd_router_bucket_instances", ("1",)): 0.0,
         ("epd_router_bucket_demand_seconds", ("0",)): demand_s,
         ("epd_router_bucket_demand_seconds", ("1",)): 0.0,
+        ("epd_router_bucket_backlog_seconds", ("0",)): 0.0,  # both picked at once: nothing waited
+        ("epd_router_bucket_backlog_seconds", ("1",)): 0.0,
         ("epd_router_picks_total", ("prefill", "prefill_buckets")): 2.0,
         ("epd_router_picks_total", ("decode", "round_robin")): 1.0,
     }

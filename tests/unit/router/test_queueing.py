@@ -93,6 +93,27 @@ def test_demand_is_counted_at_arrival_even_while_requests_wait():
     assert policy.last_demand_s[2] == pytest.approx(3 * policy._cost.prompt_seconds(5_000))
 
 
+def test_a_bucket_that_fell_behind_is_divided_for_its_backlog_too():
+    clock = FakeClock()
+    policy = PrefillBuckets(bounds=BOUNDS, round_s=1.0, room_s=0.0, clock=clock)
+    shorts = [req(50, f"s{i}") for i in range(4)]
+    longs = [req(5_000, f"l{i}") for i in range(4)]
+    for request in shorts + longs:
+        policy.on_arrival(request)
+    for request in shorts + longs[:1]:                # three long prompts still wait at the router
+        policy.on_pick(request, Pick("p0"))
+    policy.on_leave(req(50, "gone"))                   # never arrived: nothing to forget
+    clock.now = 1.0
+    eight = [inst(f"p{i}") for i in range(8)]
+    assert policy.dispatch([(2, longs[1])], eight)[0] == 2
+    short_s, long_s = (policy._cost.prompt_seconds(n) for n in (50, 5_000))
+    assert policy.last_demand_s == pytest.approx((4 * short_s, 0.0, 4 * long_s, 0.0))
+    assert policy.last_backlog_s == pytest.approx((0.0, 0.0, 3 * long_s, 0.0))
+    # Divided by demand + backlog (0.094 s vs 0.543 s): 1 and 7. By demand alone (0.094 vs 0.310)
+    # it would be 2 and 6, and the long prompts' bucket would stay as far behind.
+    assert [len(policy.allocation[b]) for b in range(4)] == [1, 0, 7, 0]
+
+
 def test_dispatched_sends_until_the_policy_holds_and_reports_each_pick():
     policy = buckets_one_round_in(room_s=0.0)
     loads = {f"p{i}": 0.0 for i in range(4)}
@@ -155,7 +176,7 @@ def test_a_request_that_leaves_while_queued_takes_nothing_with_it():
         leaving.cancel()
         with pytest.raises(asyncio.CancelledError):
             await leaving
-        assert len(pool.waiting) == 0
+        assert len(pool.waiting) == 0 and pool.policy._unplaced == {}   # out of the backlog too
         pool.release(held)
         instance = held.instance
         assert (instance.num_sent, instance.sent_s) == (0, 0.0)
@@ -184,7 +205,7 @@ def test_waiting_requests_fail_as_unavailable_once_no_instance_is_left_and_move_
             pool.set_drained(instance, True)
         with pytest.raises(UnavailableError, match="no prefill instance is available"):
             await asyncio.wait_for(doomed, 5)
-        assert len(pool.waiting) == 0
+        assert len(pool.waiting) == 0 and pool.policy._unplaced == {}
         pool.set_drained(pool.instances[0], False)
         moved = asyncio.ensure_future(pool.place(RequestView("y", 500)))
         await asyncio.sleep(0.01)
