@@ -2,8 +2,8 @@
 
 Prompts fall in buckets by length (reference: <16K, 16-64K, 64-256K, >=256K tokens). Each round
 (``round_s``) the instances are re-divided among the buckets in proportion to the compute each
-bucket demanded in the previous round (seconds from the cost model, so one long prompt weighs
-what it costs, not 1), with a per-bucket cap. Short prompts then never queue behind a 256K one,
+bucket demanded in the previous round and still has waiting (seconds from the cost model, so one
+long prompt weighs what it costs, not 1), with a per-bucket cap. Short prompts then never queue behind a 256K one,
 and no length class can starve the others.
 
     round k-1: demand_s + backlog_s per bucket ──allocate──> counts ──assign (stable)──> instance -> bucket
@@ -281,7 +281,7 @@ class PrefillBuckets(Policy):
             # Work-conserving: another bucket's instance takes the request when it would start
             # it sooner by more than the request's own compute (so a bucket is not raided for
             # a small gain, and nothing waits behind an idle instance).
-            own_s = self._cost.prompt_seconds(request.num_prompt_tokens, request.num_cached_tokens)
+            own_s = self._compute_s(request)
             outside = min(candidates, key=_load)
             if outside.queued_compute_s + own_s < chosen.queued_compute_s or (_is_idle(outside) and not _is_idle(chosen)):
                 chosen = outside
