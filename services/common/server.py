@@ -37,6 +37,7 @@ import inspect
 import logging
 import signal
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -338,12 +339,13 @@ async def watch_load(report: Callable[[], Any], to_proto: Callable[[Any], Any], 
         await asyncio.sleep(interval_s or default_interval_s)
 
 
-class LoadRpcs:
+class LoadRpcs(ABC):
     """GetLoad and WatchLoad, served the same way by every instance: a servicer mixes this in
     (before its generated base) and gives its ``load_report()``."""
 
+    @abstractmethod
     def load_report(self) -> LoadReport:
-        raise NotImplementedError
+        """The instance's load now."""
 
     async def GetLoad(self, request, context):
         return load_to_proto(self.load_report())
