@@ -19,13 +19,16 @@ length inside its last block are masked out.
 * a chunk that starts at position 0 attends to its own fresh K/V (causal, nothing to gather);
 * a chunk that continues a sequence (chunked prefill, prefix hit) gathers its context blocks
   and uses an explicit causal mask offset by its start;
-* single-token decodes are sorted by context length and run in a few batches of similar
-  length, each padded to its longest (padding costs memory bandwidth, the decode bottleneck).
+* single-token decodes, given a decode kernel (the CPU's, :mod:`services.engine.kernels.cpu`),
+  all go to it in one call: it reads each context's blocks where they lie;
+* otherwise they are sorted by context length and run in a few batches of similar length, each
+  gathered and padded to its longest (padding costs memory bandwidth, the decode bottleneck).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,12 +54,23 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeBatch:
+    """Every single-token decode of the step, for a kernel that reads blocks in place."""
+
+    kernel: Callable[..., None]  # (q, out, kv_cache, layer, rows, tables, lengths, scale)
+    rows: torch.Tensor     # [N] rows of the flat batch
+    tables: torch.Tensor   # [N, max_blocks] block ids, padded with 0
+    lengths: torch.Tensor  # [N] context length, the new token included
+
+
+@dataclass
 class AttentionMetadata:
     num_layers: int
     block_size: int
     slot_rows: torch.Tensor  # [T] token row (layer 0, k) of each new token
     spans: list[Span]
     decodes: list[DecodeGroup]
+    decode_batch: DecodeBatch | None = None
     workspace: torch.Tensor | None = None
     """[2, max_gather_blocks, B, kv_heads, head_dim] reused by every gather of the step: a
     fresh tensor per gather costs more in page faults than the copy itself on the CPU."""
@@ -72,8 +86,10 @@ class AttentionMetadata:
 
 
 def build_metadata(chunks: list[tuple[int, int, list[int]]], block_size: int, num_layers: int,
-                   device: torch.device) -> AttentionMetadata:
-    """``chunks``: (start_position, num_new_tokens, block_table) per sequence, in batch order."""
+                   device: torch.device, decode_kernel: Callable[..., None] | None = None
+                   ) -> AttentionMetadata:
+    """``chunks``: (start_position, num_new_tokens, block_table) per sequence, in batch order.
+    With ``decode_kernel``, single-token decodes go to it (:class:`DecodeBatch`)."""
     stride = 2 * num_layers  # block rows per block
     slot_rows: list[int] = []
     spans: list[Span] = []
@@ -85,28 +101,35 @@ def build_metadata(chunks: list[tuple[int, int, list[int]]], block_size: int, nu
         slot_rows.extend(table[p // block_size] * stride * block_size + p % block_size
                          for p in range(start, start + n))
         num_ctx_blocks = -(-(start + n) // block_size)
-        ctx_blocks = [b * stride for b in table[:num_ctx_blocks]]
         if n == 1 and start > 0:
             dec_index.append(token_start)
-            dec_tables.append(ctx_blocks)
+            dec_tables.append(table[:num_ctx_blocks])
             dec_lengths.append(start + 1)
         elif start == 0:
             spans.append(Span(token_start, n, None, None))
         else:
             q_pos = torch.arange(start, start + n, device=device)
             mask = torch.arange(num_ctx_blocks * block_size, device=device)[None, :] <= q_pos[:, None]
-            spans.append(Span(token_start, n, torch.tensor(ctx_blocks, device=device), mask))
+            ctx_rows = [b * stride for b in table[:num_ctx_blocks]]
+            spans.append(Span(token_start, n, torch.tensor(ctx_rows, device=device), mask))
         token_start += n
 
     def long(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
+    if decode_kernel is not None:
+        batch = None
+        if dec_index:
+            width = max(map(len, dec_tables))
+            tables = long([t + [0] * (width - len(t)) for t in dec_tables])
+            batch = DecodeBatch(decode_kernel, long(dec_index), tables, long(dec_lengths))
+        return AttentionMetadata(num_layers, block_size, long(slot_rows), spans, [], batch)
     groups = []
     for members in _group_by_length(dec_lengths):
         tables = [dec_tables[i] for i in members]
         max_blocks = max(map(len, tables))
         # Padding reads block row 0 (a real block) and is masked out.
-        blocks = long([t + [0] * (max_blocks - len(t)) for t in tables]).view(-1)
+        blocks = long([[b * stride for b in t] + [0] * (max_blocks - len(t)) for t in tables]).view(-1)
         positions = torch.arange(max_blocks * block_size, device=device)
         mask = positions[None, :] < long([dec_lengths[i] for i in members])[:, None]
         groups.append(DecodeGroup(long([dec_index[i] for i in members]), blocks, mask[:, None, None, :]))
@@ -158,6 +181,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             q[sl].transpose(0, 1).unsqueeze(0), ks, vs, attn_mask=span.mask,
             is_causal=span.mask is None, scale=scale, enable_gqa=True)
         out[sl] = o.squeeze(0).transpose(0, 1)
+    if meta.decode_batch is not None:
+        batch = meta.decode_batch
+        batch.kernel(q, out, kv_cache, layer, batch.rows, batch.tables, batch.lengths, scale)
     for group in meta.decodes:
         num_dec = group.token_index.shape[0]
         kd, vd = gather(group.blocks, 0, num_dec), gather(group.blocks, 1, num_dec)
