@@ -76,6 +76,11 @@ class AttentionMetadata:
     fresh tensor per gather costs more in page faults than the copy itself on the CPU."""
 
     @property
+    def decode_only(self) -> bool:
+        """Every token of the step is a single-token decode (no prompt tokens)."""
+        return not self.spans
+
+    @property
     def max_gather_blocks(self) -> int:
         sizes = [s.context_blocks.shape[0] for s in self.spans if s.context_blocks is not None]
         return max(sizes + [g.blocks.shape[0] for g in self.decodes], default=0)

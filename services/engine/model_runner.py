@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.attention import build_metadata
+from services.engine.attention import AttentionMetadata, build_metadata
 from services.engine.grammar import GrammarMatchers
 from services.engine.kernels import cpu as cpu_kernels
 from services.engine.models.config import ModelConfig
@@ -56,6 +56,7 @@ class ModelRunner:
         model = LlamaForCausalLM(cfg)
         model.load_weights(weights)
         self.model = model.to(device=device, dtype=dtype).eval()
+        self.model.pack_for_decode()
         # After .to(dtype): RoPE frequencies stay fp32 like Hugging Face's.
         self.model.inv_freq = rope_inv_freq(cfg).to(device)
         shape = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -84,8 +85,8 @@ class ModelRunner:
             self.grammars.drop(request_id)
         if not out.chunks:
             return ModelRunnerOutput({}, {})
-        hidden = self._forward([(c.start_position, c.token_ids, c.block_table) for c in out.chunks],
-                               [c.mm_embeds for c in out.chunks])
+        hidden, meta = self._forward([(c.start_position, c.token_ids, c.block_table) for c in out.chunks],
+                                     [c.mm_embeds for c in out.chunks])
         last_rows, rows, ids, constrained = [], [], [], []
         end = 0
         for chunk in out.chunks:
@@ -103,14 +104,17 @@ class ModelRunner:
             return ModelRunnerOutput({}, {})
         # On a GPU the forward is still running: the masks are computed meanwhile.
         bitmask = self.grammars.bitmask(constrained)
-        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)],
+                                           meta.decode_only)
         result = self.sampler(logits, rows, bitmask)
         if constrained:
             self.grammars.accept(ids, result.token_ids)
         return ModelRunnerOutput(dict(zip(ids, result.token_ids)), dict(zip(ids, result.logprobs)))
 
     def _forward(self, chunks: list[tuple[int, list[int], list[BlockId]]],
-                 mm_embeds: list[list[tuple[int, torch.Tensor]]] | None = None) -> torch.Tensor:
+                 mm_embeds: list[list[tuple[int, torch.Tensor]]] | None = None
+                 ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Final hidden states of the flat batch, and the step's attention metadata."""
         input_ids = torch.tensor([t for _, toks, _ in chunks for t in toks], dtype=torch.long,
                                  device=self.device)
         inputs_embeds = None
@@ -125,7 +129,7 @@ class ModelRunner:
         meta = build_metadata([(s, len(toks), table) for s, toks, table in chunks], self.block_size,
                               self.cfg.num_layers, self.device, self._decode_kernel)
         meta.workspace = self._workspace(meta.max_gather_blocks)
-        return self.model(input_ids, positions, self.kv_cache, meta, inputs_embeds)
+        return self.model(input_ids, positions, self.kv_cache, meta, inputs_embeds), meta
 
     def _workspace(self, num_blocks: int) -> torch.Tensor:
         """Scratch for gathered K/V, kept across steps and grown by doubling."""
@@ -155,7 +159,7 @@ class ModelRunner:
     @torch.inference_mode()
     def score(self, token_ids: list[int], block_table: list[BlockId]) -> torch.Tensor:
         """Logits at every position of one sequence (oracle tests, prompt logprobs)."""
-        hidden = self._forward([(0, list(token_ids), block_table)])
+        hidden, _ = self._forward([(0, list(token_ids), block_table)])
         return self.model.compute_logits(hidden).float()
 
     # ----- the disaggregation seam -------------------------------------------------------

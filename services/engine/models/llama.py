@@ -19,16 +19,35 @@ from services.engine.attention import AttentionMetadata, paged_attention
 from services.engine.models.config import ModelConfig
 
 
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    # The batch size is only a hint to oneDNN's layout; 32 rows is a typical decode batch.
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class Linear(nn.Module):
     """``nn.Linear`` without its random init: every weight comes from a checkpoint, and the init
-    of a whole model costs seconds on the CPU."""
+    of a whole model costs seconds on the CPU.
+
+    ``forward(x, packed=True)`` uses a copy of the weight in oneDNN's blocked layout made by
+    :meth:`pack` (see :meth:`LlamaForCausalLM.pack_for_decode`), when there is one.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def pack(self) -> None:
+        self.packed = _pack(self.weight)
+
+    def forward(self, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
+        if packed and self.packed is not None:
+            return _packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -89,14 +108,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        packed = meta.decode_only
+        q, k, v = self.qkv_proj(x, packed).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         o = paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self.o_proj(o.reshape(-1, self.q_size), packed)
 
 
 class MLP(nn.Module):
@@ -105,10 +125,10 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, packed).chunk(2, dim=-1)
         # In place on the fresh matmul output: no [tokens, intermediate] temporaries.
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up), packed)
 
 
 class DecoderLayer(nn.Module):
@@ -121,7 +141,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), meta.decode_only)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -135,6 +155,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.packed_tied_head: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,9 +170,36 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+    def compute_logits(self, hidden: torch.Tensor, packed: bool = False) -> torch.Tensor:
+        if self.lm_head is not None:
+            return self.lm_head(hidden, packed)
+        if packed and self.packed_tied_head is not None:
+            return _packed_linear(hidden, self.packed_tied_head, None)
+        return F.linear(hidden, self.embed_tokens.weight)
+
+    @torch.no_grad()
+    def pack_for_decode(self) -> bool:
+        """Give every linear layer and the output layer a oneDNN-packed copy of its weight for
+        steps that only decode (``packed=True``); fp32 on a CPU with oneDNN, after loading.
+
+        Measured here: a decode step's linear layers (32 rows, weights cold in cache) run at
+        1.5-2x MKL's ``F.linear``, the 49K-wide output layer at 2x. Steps with prompt tokens keep
+        the dense weights and MKL: its sums are transformers' own (our prompt logits equal theirs
+        bit for bit on SmolLM2), while the packed path, 1.3x faster for prefill too, sums in
+        another order (1.65e-4 off there, against the oracle's 1e-4). The copies double the
+        memory of the weights. False, and nothing changed, where packing does not apply.
+        """
+        weight = self.embed_tokens.weight
+        if (weight.device.type != "cpu" or weight.dtype != torch.float32
+                or not torch.backends.mkldnn.is_available()
+                or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.lm_head is None:  # tied: the lookup keeps the dense table
+            self.packed_tied_head = _pack(weight)
+        return True
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
