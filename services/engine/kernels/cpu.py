@@ -30,6 +30,8 @@ from typing import Callable
 
 import torch
 
+from services.engine.models.loader import CACHE_ENV
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
@@ -46,7 +48,7 @@ def enabled() -> bool:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("EPD_CACHE_DIR")
+    root = os.environ.get(CACHE_ENV)
     return (Path(root).expanduser() if root else Path.home() / ".cache" / "epd") / "kernels"
 
 
@@ -89,7 +91,6 @@ def build(source: Path = SOURCE, cache_dir: Path | None = None) -> Path:
     return target
 
 
-@functools.cache
 def _library() -> ctypes.CDLL | None:
     if not enabled():
         return None

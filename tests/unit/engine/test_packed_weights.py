@@ -9,6 +9,7 @@ import torch
 from services.engine import LLM, SamplingParams
 from services.engine.models import llama
 from services.engine.models.llama import Linear, LlamaForCausalLM
+from tests.factories import make_tiny_model_dir
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 
@@ -28,7 +29,6 @@ def test_a_packed_linear_computes_the_same_product():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_decode_steps_use_the_packed_weights_and_prompt_steps_do_not(tmp_path, monkeypatch, tied):
-    from tests.factories import make_tiny_model_dir
     path = make_tiny_model_dir(tmp_path / "m", "llama", seed=3, tie_word_embeddings=tied)
     prompts = [[(5 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate([9, 70, 200])]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
