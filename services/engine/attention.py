@@ -16,22 +16,27 @@ New K/V are written per token (``index_copy_`` on token rows); contexts are read
 (``index_select`` on block rows, 4x faster than per token), and positions past a sequence's
 length inside its last block are masked out.
 
+Given the CPU's kernels (:mod:`services.engine.kernels.cpu`), a step makes two calls a layer,
+both reading each context's blocks where they lie: one for every single-token decode, one for
+every other chunk (fresh prompts, continued chunks and prefix hits alike, causal from the
+chunk's start). Otherwise (CUDA, bf16, no C compiler) torch runs it:
+
 * a chunk that starts at position 0 attends to its own fresh K/V (causal, nothing to gather);
 * a chunk that continues a sequence (chunked prefill, prefix hit) gathers its context blocks
   and uses an explicit causal mask offset by its start;
-* single-token decodes, given a decode kernel (the CPU's, :mod:`services.engine.kernels.cpu`),
-  all go to it in one call: it reads each context's blocks where they lie;
-* otherwise they are sorted by context length and run in a few batches of similar length, each
-  gathered and padded to its longest (padding costs memory bandwidth, the decode bottleneck).
+* single-token decodes are sorted by context length and run in a few batches of similar
+  length, each gathered and padded to its longest (padding costs memory bandwidth, the decode
+  bottleneck).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from services.engine.kernels.cpu import CpuKernels
 
 
 @dataclass
@@ -55,12 +60,19 @@ class DecodeGroup:
 
 @dataclass
 class DecodeBatch:
-    """Every single-token decode of the step, for a kernel that reads blocks in place."""
+    """Every single-token decode of the step, for the kernel that reads blocks in place."""
 
-    kernel: Callable[..., None]  # (q, out, kv_cache, layer, rows, tables, lengths, scale)
     rows: torch.Tensor     # [N] rows of the flat batch
     tables: torch.Tensor   # [N, max_blocks] block ids, padded with 0
     lengths: torch.Tensor  # [N] context length, the new token included
+
+
+@dataclass
+class PrefillBatch:
+    """Every other chunk of the step, for the kernel that reads blocks in place."""
+
+    spans: torch.Tensor   # [N, 3] first row in the flat batch, number of new tokens, start position
+    tables: torch.Tensor  # [N, max_blocks] block ids, padded with 0
 
 
 @dataclass
@@ -70,7 +82,11 @@ class AttentionMetadata:
     slot_rows: torch.Tensor  # [T] token row (layer 0, k) of each new token
     spans: list[Span]
     decodes: list[DecodeGroup]
+    kernels: CpuKernels | None = None
+    """The CPU's kernels: then decodes and prefills are in the two batches, not in spans and
+    decodes, and the model stores K/V with :meth:`CpuKernels.rope_store`."""
     decode_batch: DecodeBatch | None = None
+    prefill_batch: PrefillBatch | None = None
     workspace: torch.Tensor | None = None
     """[2, max_gather_blocks, B, kv_heads, head_dim] reused by every gather of the step: a
     fresh tensor per gather costs more in page faults than the copy itself on the CPU."""
@@ -78,7 +94,7 @@ class AttentionMetadata:
     @property
     def decode_only(self) -> bool:
         """Every token of the step is a single-token decode (no prompt tokens)."""
-        return not self.spans
+        return not self.spans and self.prefill_batch is None
 
     @property
     def max_gather_blocks(self) -> int:
@@ -89,15 +105,19 @@ class AttentionMetadata:
         """Offset of (layer, k|v) in block rows; times block_size in token rows."""
         return 2 * layer + kv
 
+    def token_row_offsets(self, layer: int) -> tuple[int, int]:
+        """Offsets of layer's K and V in token rows: ``slot_rows + offset`` are where they go."""
+        return self.layer_offset(layer, 0) * self.block_size, self.layer_offset(layer, 1) * self.block_size
+
 
 def build_metadata(chunks: list[tuple[int, int, list[int]]], block_size: int, num_layers: int,
-                   device: torch.device, decode_kernel: Callable[..., None] | None = None
-                   ) -> AttentionMetadata:
+                   device: torch.device, kernels: CpuKernels | None = None) -> AttentionMetadata:
     """``chunks``: (start_position, num_new_tokens, block_table) per sequence, in batch order.
-    With ``decode_kernel``, single-token decodes go to it (:class:`DecodeBatch`)."""
+    With ``kernels`` (the CPU's), every chunk goes to them: single-token decodes as one
+    :class:`DecodeBatch`, the rest as one :class:`PrefillBatch`."""
     stride = 2 * num_layers  # block rows per block
     slot_rows: list[int] = []
-    spans: list[Span] = []
+    prefills: list[tuple[int, int, int, list[int]]] = []  # token_start, n, start, context blocks
     dec_index: list[int] = []
     dec_tables: list[list[int]] = []
     dec_lengths: list[int] = []
@@ -110,25 +130,27 @@ def build_metadata(chunks: list[tuple[int, int, list[int]]], block_size: int, nu
             dec_index.append(token_start)
             dec_tables.append(table[:num_ctx_blocks])
             dec_lengths.append(start + 1)
-        elif start == 0:
-            spans.append(Span(token_start, n, None, None))
         else:
-            q_pos = torch.arange(start, start + n, device=device)
-            mask = torch.arange(num_ctx_blocks * block_size, device=device)[None, :] <= q_pos[:, None]
-            ctx_rows = [b * stride for b in table[:num_ctx_blocks]]
-            spans.append(Span(token_start, n, torch.tensor(ctx_rows, device=device), mask))
+            prefills.append((token_start, n, start, table[:num_ctx_blocks]))
         token_start += n
 
     def long(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    if decode_kernel is not None:
-        batch = None
+    def padded(tables: list[list[int]]) -> torch.Tensor:
+        width = max(map(len, tables))
+        return long([t + [0] * (width - len(t)) for t in tables])
+
+    if kernels is not None:
+        decode_batch = prefill_batch = None
         if dec_index:
-            width = max(map(len, dec_tables))
-            tables = long([t + [0] * (width - len(t)) for t in dec_tables])
-            batch = DecodeBatch(decode_kernel, long(dec_index), tables, long(dec_lengths))
-        return AttentionMetadata(num_layers, block_size, long(slot_rows), spans, [], batch)
+            decode_batch = DecodeBatch(long(dec_index), padded(dec_tables), long(dec_lengths))
+        if prefills:
+            prefill_batch = PrefillBatch(long([p[:3] for p in prefills]), padded([p[3] for p in prefills]))
+        return AttentionMetadata(num_layers, block_size, long(slot_rows), [], [], kernels, decode_batch,
+                                 prefill_batch)
+    spans = [_span(token_start, n, start, blocks, block_size, stride, device)
+             for token_start, n, start, blocks in prefills]
     groups = []
     for members in _group_by_length(dec_lengths):
         tables = [dec_tables[i] for i in members]
@@ -139,6 +161,15 @@ def build_metadata(chunks: list[tuple[int, int, list[int]]], block_size: int, nu
         mask = positions[None, :] < long([dec_lengths[i] for i in members])[:, None]
         groups.append(DecodeGroup(long([dec_index[i] for i in members]), blocks, mask[:, None, None, :]))
     return AttentionMetadata(num_layers, block_size, long(slot_rows), spans, groups)
+
+
+def _span(token_start: int, n: int, start: int, blocks: list[int], block_size: int, stride: int,
+          device: torch.device) -> Span:
+    if start == 0:
+        return Span(token_start, n, None, None)
+    q_pos = torch.arange(start, start + n, device=device)
+    mask = torch.arange(len(blocks) * block_size, device=device)[None, :] <= q_pos[:, None]
+    return Span(token_start, n, torch.tensor([b * stride for b in blocks], device=device), mask)
 
 
 def _group_by_length(lengths: list[int], max_ratio: float = 1.3, max_groups: int = 6) -> list[list[int]]:
@@ -153,18 +184,26 @@ def _group_by_length(lengths: list[int], max_ratio: float = 1.3, max_groups: int
     return groups
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, Hkv, D] for the new tokens -> attention output [T, H, D].
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+             meta: AttentionMetadata) -> None:
+    """Write the new tokens' K/V [T, Hkv, D] into the pool (before attention reads it)."""
+    token_rows = kv_cache.view(-1, *kv_cache.shape[4:])
+    k_offset, v_offset = meta.token_row_offsets(layer)
+    token_rows.index_copy_(0, meta.slot_rows + k_offset, k)
+    token_rows.index_copy_(0, meta.slot_rows + v_offset, v)
 
-    Writes the new K/V into the pool first, so gathered contexts include them.
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                    kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, D] for the new tokens -> attention output [T, H, D].
+
+    The new K/V are already in the pool (:func:`store_kv`, or the CPU's ``rope_store``); k/v
+    [T, Hkv, D] are the same values, which fresh prompts on the torch path attend to directly
+    (the kernels read everything from the pool and need none).
     """
-    num_kv_heads, head_dim, bs = k.shape[1], k.shape[2], meta.block_size
-    token_rows = kv_cache.view(-1, num_kv_heads, head_dim)
+    num_kv_heads, head_dim, bs = kv_cache.shape[4], kv_cache.shape[5], meta.block_size
     block_rows = kv_cache.view(-1, bs, num_kv_heads, head_dim)
     k_off, v_off = meta.layer_offset(layer, 0), meta.layer_offset(layer, 1)
-    token_rows.index_copy_(0, meta.slot_rows + k_off * bs, k)
-    token_rows.index_copy_(0, meta.slot_rows + v_off * bs, v)
 
     def gather(blocks: torch.Tensor, kv: int, num_seqs: int) -> torch.Tensor:
         # [num_seqs, kv_heads, ctx, head_dim]
@@ -186,9 +225,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             q[sl].transpose(0, 1).unsqueeze(0), ks, vs, attn_mask=span.mask,
             is_causal=span.mask is None, scale=scale, enable_gqa=True)
         out[sl] = o.squeeze(0).transpose(0, 1)
+    if meta.prefill_batch is not None:
+        pre = meta.prefill_batch
+        meta.kernels.paged_prefill(q, out, kv_cache, layer, pre.spans, pre.tables, scale)
     if meta.decode_batch is not None:
-        batch = meta.decode_batch
-        batch.kernel(q, out, kv_cache, layer, batch.rows, batch.tables, batch.lengths, scale)
+        dec = meta.decode_batch
+        meta.kernels.paged_decode(q, out, kv_cache, layer, dec.rows, dec.tables, dec.lengths, scale)
     for group in meta.decodes:
         num_dec = group.token_index.shape[0]
         kd, vd = gather(group.blocks, 0, num_dec), gather(group.blocks, 1, num_dec)

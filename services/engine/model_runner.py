@@ -70,10 +70,9 @@ class ModelRunner:
             # Zero-filled, so every page of the pool is touched now rather than mid-request.
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self._gather_buffer = self.kv_cache.new_empty((2, 0) + tuple(self.kv_cache.shape[3:]))
-        # Decodes read their blocks in place where a kernel exists (the CPU's, fp32); else
-        # attention gathers them (CUDA, bf16 on the CPU, or no C compiler).
-        self._decode_kernel = (cpu_kernels.paged_decode()
-                               if device.type == "cpu" and dtype == torch.float32 else None)
+        # Attention reads blocks in place where kernels exist (the CPU's, fp32); else it runs
+        # in torch and gathers them (CUDA, bf16 on the CPU, or no C compiler).
+        self._kernels = cpu_kernels.kernels() if device.type == "cpu" and dtype == torch.float32 else None
         self.sampler = Sampler()
         self._generators: dict[RequestId, torch.Generator] = {}
         self.grammars = GrammarMatchers(cfg.vocab_size)
@@ -127,7 +126,7 @@ class ModelRunner:
                 row += len(toks)
         positions = torch.cat([torch.arange(s, s + len(toks)) for s, toks, _ in chunks]).to(self.device)
         meta = build_metadata([(s, len(toks), table) for s, toks, table in chunks], self.block_size,
-                              self.cfg.num_layers, self.device, self._decode_kernel)
+                              self.cfg.num_layers, self.device, self._kernels)
         meta.workspace = self._workspace(meta.max_gather_blocks)
         return self.model(input_ids, positions, self.kv_cache, meta, inputs_embeds), meta
 

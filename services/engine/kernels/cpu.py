@@ -1,17 +1,20 @@
 """C kernels for the CPU, built on first use by the system's C compiler and called through ctypes.
 
-Plain C with OpenMP, no Python or torch headers, so a build takes under a second. The shared
-object is cached under ``$EPD_CACHE_DIR/kernels`` (else ``~/.cache/epd/kernels``) by a hash of
-the source, the flags, the compiler and this CPU's model and feature flags (it is built with
+Plain C with OpenMP, no Python or torch headers, so a build takes about a second. The sources
+are linked into one shared object, cached under ``$EPD_CACHE_DIR/kernels`` (else
+``~/.cache/epd/kernels``) by a hash of the sources, the flags, the compiler and this CPU's model
+and feature flags (it is built with
 ``-march=native``), and written under a temporary name then renamed, so processes that build at
 once do not collide. It needs ``libgomp.so.1``, the soname of the OpenMP runtime torch ships and
 has already loaded, so the kernels and torch share one thread pool.
 
-``-ffast-math`` applies to the compile step only: linking a shared object with it (gcc < 13)
-would set flush-to-zero for the whole process when the object loads.
+Flags are per source: the attention kernels use ``-ffast-math`` (vector ``expf``, reassociated
+sums), the RoPE kernel none (it reproduces torch's bits). ``-ffast-math`` applies to the compile
+step only: linking a shared object with it (gcc < 13) would set flush-to-zero for the whole
+process when the object loads.
 
-No compiler, a failed build, or ``EPD_CPU_KERNELS=0``: :func:`paged_decode` returns None and
-attention keeps its torch path (logged once).
+No compiler, a failed build, or ``EPD_CPU_KERNELS=0``: :func:`kernels` returns None and the
+model and attention keep their torch path (logged once).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -34,13 +38,31 @@ from services.engine.models.loader import CACHE_ENV
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11")
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11")
+SOURCES = {Path(__file__).with_name(name): flags for name, flags in (
+    ("paged_decode.c", ("-ffast-math",)),
+    ("paged_prefill.c", ("-ffast-math",)),
+    # torch's bits exactly: every operation rounded on its own, none fused into an FMA.
+    ("rope_store.c", ("-ffp-contract=off",)),
+)}
+"""Each source with the flags it adds to COMPILE_FLAGS."""
 LINK_FLAGS = ("-shared", "-fopenmp")
 SPECIALISED_HEAD_DIMS = (64, 128)
 """head_dims with an entry point of their own (``paged_decode_f32_d64``...)."""
 
 DecodeKernel = Callable[..., None]
+PrefillKernel = Callable[..., None]
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    paged_decode: DecodeKernel
+    """``(q, out, kv_cache, layer, rows, tables, lengths, scale)``: single-token decodes."""
+    paged_prefill: PrefillKernel
+    """``(q, out, kv_cache, layer, spans, tables, scale)``: chunks of new tokens, causal."""
+    rope_store: Callable[..., torch.Tensor]
+    """``(qkv, cos, sin, kv_cache, slot_rows, k_offset, v_offset, num_heads) -> q``: RoPE on the
+    fused projection's q and k, k and v stored at token rows ``slot_rows + offset``."""
 
 
 def enabled() -> bool:
@@ -66,23 +88,27 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build(source: Path = SOURCE, cache_dir: Path | None = None) -> Path:
-    """Compile ``source`` to a shared object (or reuse the cached one); its path."""
+def build(sources: dict[Path, tuple[str, ...]] = SOURCES, cache_dir: Path | None = None) -> Path:
+    """Compile ``sources`` (each with its own flags) into one shared object, or reuse the cached
+    one; its path."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), *COMPILE_FLAGS, *LINK_FLAGS, version,
+    parts = [text for s, flags in sources.items() for text in (s.name, s.read_text(), *flags)]
+    key = hashlib.sha256("\0".join([*parts, *COMPILE_FLAGS, *LINK_FLAGS, version,
                                     _cpu_identity()]).encode()).hexdigest()[:16]
     directory = cache_dir or _cache_dir()
-    target = directory / f"{source.stem}-{key}.so"
+    target = directory / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
-        for cmd in ([cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
-                    [cc, *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"]):
+        objects = [str(Path(tmp) / f"{s.stem}.o") for s in sources]
+        lib = Path(tmp) / "kernels.so"
+        commands = [[cc, *COMPILE_FLAGS, *flags, "-c", str(s), "-o", o]
+                    for (s, flags), o in zip(sources.items(), objects)]
+        for cmd in commands + [[cc, *LINK_FLAGS, *objects, "-o", str(lib), "-lm"]]:
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
@@ -99,37 +125,71 @@ def _library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("CPU attention kernel unavailable, using the torch path: %s", e)
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for name in ["paged_decode_f32"] + [f"paged_decode_f32_d{d}" for d in SPECIALISED_HEAD_DIMS]:
-        fn = getattr(lib, name)
-        fn.argtypes = [ptr] * 6 + [i64] * 8 + [ctypes.c_float, ctypes.c_int]
-        fn.restype = None
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    for kind, num_ptrs, num_ints, restype in (("decode", 6, 8, None), ("prefill", 5, 8, i32)):
+        for name in [f"paged_{kind}_f32"] + [f"paged_{kind}_f32_d{d}" for d in SPECIALISED_HEAD_DIMS]:
+            fn = getattr(lib, name)
+            fn.argtypes = [ptr] * num_ptrs + [i64] * num_ints + [f32, i32]
+            fn.restype = restype
+    lib.rope_store_f32.argtypes = [ptr] * 6 + [i64] * 6 + [i32]
+    lib.rope_store_f32.restype = None
     return lib
 
 
-@functools.cache
-def paged_decode() -> DecodeKernel | None:
-    """The decode-attention kernel (see ``paged_decode.c``), or None where it cannot be built.
+def _check(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, *index: torch.Tensor) -> None:
+    for t in (q, out, kv_cache, *index):
+        assert t.is_contiguous() and t.device.type == "cpu", "the CPU kernels take contiguous CPU tensors"
+    assert q.dtype == out.dtype == kv_cache.dtype == torch.float32
+    assert all(t.dtype == torch.int64 for t in index)
 
-    ``kernel(q, out, kv_cache, layer, rows, tables, lengths, scale)``: float32 CPU tensors, all
-    contiguous; rows / tables / lengths int64 (see the C source for shapes). Writes ``out``.
+
+def _entry(lib: ctypes.CDLL, kind: str, head_dim: int):
+    name = f"paged_{kind}_f32_d{head_dim}" if head_dim in SPECIALISED_HEAD_DIMS else f"paged_{kind}_f32"
+    return getattr(lib, name)
+
+
+@functools.cache
+def kernels() -> CpuKernels | None:
+    """The kernels (see ``paged_decode.c``, ``paged_prefill.c``, ``rope_store.c``), or None
+    where they cannot be built. They take float32 CPU tensors, all contiguous, and int64 index
+    tensors (see the C sources for shapes).
     """
     lib = _library()
     if lib is None:
         return None
 
-    def kernel(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-               rows: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, scale: float) -> None:
-        num_layers, block_size, num_kv_heads, head_dim = (kv_cache.shape[1], kv_cache.shape[3],
-                                                          kv_cache.shape[4], kv_cache.shape[5])
-        for t in (q, out, kv_cache, rows, tables, lengths):
-            assert t.is_contiguous() and t.device.type == "cpu", "the CPU kernel takes contiguous CPU tensors"
-        assert q.dtype == out.dtype == kv_cache.dtype == torch.float32
-        assert rows.dtype == tables.dtype == lengths.dtype == torch.int64
-        fn = (getattr(lib, f"paged_decode_f32_d{head_dim}") if head_dim in SPECIALISED_HEAD_DIMS
-              else lib.paged_decode_f32)
-        fn(q.data_ptr(), out.data_ptr(), kv_cache.data_ptr(), rows.data_ptr(), tables.data_ptr(),
-           lengths.data_ptr(), rows.shape[0], tables.shape[1], layer, num_layers, block_size,
-           q.shape[1], num_kv_heads, head_dim, scale, torch.get_num_threads())
+    def paged_decode(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                     rows: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, scale: float) -> None:
+        _check(q, out, kv_cache, rows, tables, lengths)
+        num_layers, block_size, num_kv_heads, head_dim = kv_cache.shape[1], *kv_cache.shape[3:]
+        _entry(lib, "decode", head_dim)(
+            q.data_ptr(), out.data_ptr(), kv_cache.data_ptr(), rows.data_ptr(), tables.data_ptr(),
+            lengths.data_ptr(), rows.shape[0], tables.shape[1], layer, num_layers, block_size,
+            q.shape[1], num_kv_heads, head_dim, scale, torch.get_num_threads())
 
-    return kernel
+    def paged_prefill(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                      spans: torch.Tensor, tables: torch.Tensor, scale: float) -> None:
+        _check(q, out, kv_cache, spans, tables)
+        num_layers, block_size, num_kv_heads, head_dim = kv_cache.shape[1], *kv_cache.shape[3:]
+        status = _entry(lib, "prefill", head_dim)(
+            q.data_ptr(), out.data_ptr(), kv_cache.data_ptr(), spans.data_ptr(), tables.data_ptr(),
+            spans.shape[0], tables.shape[1], layer, num_layers, block_size, q.shape[1],
+            num_kv_heads, head_dim, scale, torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("the CPU prefill kernel could not allocate its work list")
+
+    def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_rows: torch.Tensor, k_offset: int, v_offset: int, num_heads: int) -> torch.Tensor:
+        num_kv_heads, head_dim = kv_cache.shape[4:]
+        num_tokens = qkv.shape[0]
+        assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
+        assert cos.numel() == sin.numel() == num_tokens * head_dim
+        q = qkv.new_empty(num_tokens, num_heads, head_dim)
+        _check(qkv, q, kv_cache, slot_rows)
+        _check(cos, sin, kv_cache)
+        lib.rope_store_f32(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+                           kv_cache.data_ptr(), slot_rows.data_ptr(), k_offset, v_offset, num_tokens,
+                           num_heads, num_kv_heads, head_dim, torch.get_num_threads())
+        return q
+
+    return CpuKernels(paged_decode, paged_prefill, rope_store)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.errors import InvalidRequestError
-from services.engine.attention import AttentionMetadata, paged_attention
+from services.engine.attention import AttentionMetadata, paged_attention, store_kv
 from services.engine.models.config import ModelConfig
 
 
@@ -109,12 +109,19 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         packed = meta.decode_only
-        q, k, v = self.qkv_proj(x, packed).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        qkv = self.qkv_proj(x, packed)
+        if meta.kernels is not None:
+            # One pass: q and k rotated, k and v stored (the torch lines below, bit for bit).
+            q, k, v = meta.kernels.rope_store(qkv, cos, sin, kv_cache, meta.slot_rows,
+                                              *meta.token_row_offsets(self.layer), self.num_heads), None, None
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            store_kv(k, v, kv_cache, self.layer, meta)
         o = paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size), packed)
 

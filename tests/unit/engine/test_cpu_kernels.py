@@ -1,4 +1,5 @@
-"""The CPU decode-attention kernel against the torch path it replaces (its reference)."""
+"""The CPU attention kernels (decode and prefill) against the torch path they replace (their
+reference)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,18 @@ import pytest
 import torch
 
 from services.engine import LLM, SamplingParams
-from services.engine.attention import build_metadata, paged_attention
+from services.engine.attention import build_metadata, paged_attention, store_kv
 from services.engine.kernels import cpu
+from services.engine.models.llama import rotate_half
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the torch path is used, tested elsewhere")
 
 
 @pytest.fixture
-def kernel():
-    k = cpu.paged_decode()
-    assert k is not None, "a C compiler is present but the kernel did not build (see the log)"
+def kernels():
+    k = cpu.kernels()
+    assert k is not None, "a C compiler is present but the kernels did not build (see the log)"
     return k
 
 
@@ -46,48 +48,84 @@ def _random_step(rng: random.Random, num_heads: int, num_kv_heads: int, head_dim
     (4, 4, 16, 4),    # no grouping, the generic entry point
     (6, 2, 24, 8),    # a head_dim that is no multiple of the vector width
 ])
-def test_kernel_matches_the_torch_path(kernel, heads, kv_heads, head_dim, block_size):
+def test_kernels_match_the_torch_path(kernels, heads, kv_heads, head_dim, block_size):
     rng = random.Random(heads * head_dim)
-    # Decodes of every kind of length (one token, exact multiples of the block, long), plus a
-    # fresh prefill and a continued chunk in the same step, which keep their torch path.
-    chunks = [(1, 1), (block_size - 1, 1), (block_size, 1), (3 * block_size - 1, 1),
-              (rng.randint(50, 400), 1), (0, 7), (2 * block_size + 3, 5), (rng.randint(50, 400), 1)]
+    # Decodes of every kind of length (one token, exact multiples of the block, long); prompts
+    # fresh and continued, of one token, of less than a tile, of many tiles, ending on a block
+    # edge or not; all in one step.
+    decodes = [(1, 1), (block_size - 1, 1), (block_size, 1), (3 * block_size - 1, 1),
+               (rng.randint(50, 400), 1)]
+    prefills = [(0, 7), (2 * block_size + 3, 5), (0, 1), (0, 4 * block_size), (block_size, 1 + 2 * block_size),
+                (rng.randint(20, 200), rng.randint(100, 300))]
+    chunks = decodes[:3] + prefills[:3] + decodes[3:] + prefills[3:]
     kv, q, k, v, step = _random_step(rng, heads, kv_heads, head_dim, block_size, 3, chunks)
     scale = head_dim ** -0.5
+    firsts = [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
     for layer in range(3):
         torch_meta = build_metadata(step, block_size, 3, torch.device("cpu"))
+        store_kv(k, v, kv, layer, torch_meta)
         expected = paged_attention(q, k, v, kv, layer, torch_meta, scale)
-        fused_meta = build_metadata(step, block_size, 3, torch.device("cpu"), kernel)
-        assert fused_meta.decodes == [] and fused_meta.decode_batch.rows.tolist() == [0, 1, 2, 3, 4, 17]
-        got = paged_attention(q, k, v, kv, layer, fused_meta, scale)
+        fused_meta = build_metadata(step, block_size, 3, torch.device("cpu"), kernels)
+        assert fused_meta.spans == [] and fused_meta.decodes == [] and not fused_meta.decode_only
+        assert fused_meta.decode_batch.rows.tolist() == [firsts[i] for i in (0, 1, 2, 6, 7)]
+        assert fused_meta.prefill_batch.spans.tolist() == [
+            [firsts[i], n, start] for i, (start, n) in enumerate(chunks) if (start, n) in prefills]
+        got = paged_attention(q, None, None, kv, layer, fused_meta, scale)
         assert (got - expected).abs().max().item() < 1e-5
 
 
-def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(kernel):
+def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(kernels):
     rng = random.Random(7)
-    chunks = [(rng.randint(20, 300), 1) for _ in range(12)]
+    chunks = [(rng.randint(20, 300), 1) for _ in range(10)] + [(0, 150), (40, 77), (0, 5)]
     kv, q, k, v, step = _random_step(rng, 9, 3, 64, 16, 2, chunks)
-    batch = paged_attention(q, k, v, kv, 1, build_metadata(step, 16, 2, torch.device("cpu"), kernel), 0.125)
-    for i in (0, 5, 11):
-        alone = paged_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], kv, 1,
-                                build_metadata([step[i]], 16, 2, torch.device("cpu"), kernel), 0.125)
-        assert torch.equal(alone[0], batch[i])
+    cpu_ = torch.device("cpu")
+    meta = build_metadata(step, 16, 2, cpu_, kernels)
+    store_kv(k, v, kv, 1, meta)
+    batch = paged_attention(q, None, None, kv, 1, meta, 0.125)
+    first = 0
+    for i, (_, n) in enumerate(chunks):
+        rows = slice(first, first + n)
+        alone = paged_attention(q[rows], None, None, kv, 1, build_metadata([step[i]], 16, 2, cpu_, kernels), 0.125)
+        assert torch.equal(alone, batch[rows])
+        first += n
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 16), (6, 2, 24)])
+def test_rope_store_gives_the_torch_lines_bits(kernels, heads, kv_heads, head_dim):
+    rng = random.Random(head_dim)
+    chunks = [(0, 9), (37, 1), (5, 20)]
+    kv, _, _, _, step = _random_step(rng, heads, kv_heads, head_dim, 4, 3, chunks)
+    num_tokens = sum(n for _, n in chunks)
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim) * 3
+    positions = torch.cat([torch.arange(s, s + n) for s, n in chunks])
+    freqs = positions.float()[:, None] * (1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+    meta = build_metadata(step, 4, 3, torch.device("cpu"), kernels)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.reshape(num_tokens, -1, head_dim) for t in (q, k, v))
+    expected_q = q * cos + rotate_half(q) * sin
+    expected_kv = kv.clone()
+    store_kv(k * cos + rotate_half(k) * sin, v, expected_kv, 2, meta)
+    got = kernels.rope_store(qkv, cos, sin, kv, meta.slot_rows, *meta.token_row_offsets(2), heads)
+    assert torch.equal(got, expected_q) and torch.equal(kv, expected_kv)
 
 
 def test_engine_outputs_are_the_same_with_and_without_the_kernel(tiny_llama_dir, monkeypatch):
     prompts = [[(7 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate([5, 40, 130, 300])]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    fused = LLM(str(tiny_llama_dir), num_kv_blocks=256)
-    assert fused.engine.runner._decode_kernel is not None
+    # A small token budget, so prompts are also continued across steps.
+    fused = LLM(str(tiny_llama_dir), num_kv_blocks=256, max_num_batched_tokens=96)
+    assert fused.engine.runner._kernels is not None
     with_kernel = [o.token_ids for o in fused.generate(prompts, params)]
     monkeypatch.setenv("EPD_CPU_KERNELS", "0")
-    cpu.paged_decode.cache_clear()
+    cpu.kernels.cache_clear()
     try:
-        plain = LLM(str(tiny_llama_dir), num_kv_blocks=256)
-        assert plain.engine.runner._decode_kernel is None
+        plain = LLM(str(tiny_llama_dir), num_kv_blocks=256, max_num_batched_tokens=96)
+        assert plain.engine.runner._kernels is None
         assert [o.token_ids for o in plain.generate(prompts, params)] == with_kernel
     finally:
-        cpu.paged_decode.cache_clear()
+        cpu.kernels.cache_clear()
 
 
 def test_a_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):
@@ -97,7 +135,7 @@ def test_a_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog)
     assert "CPU attention kernel unavailable" in caplog.text
 
 
-def test_the_build_is_cached_and_leaves_floating_point_modes_alone(tmp_path, kernel):
+def test_the_build_is_cached_and_leaves_floating_point_modes_alone(tmp_path, kernels):
     first = cpu.build(cache_dir=tmp_path)
     mtime = first.stat().st_mtime_ns
     assert cpu.build(cache_dir=tmp_path) == first and first.stat().st_mtime_ns == mtime

@@ -1,0 +1,198 @@
+/* Prefill attention for the CPU: chunks of new tokens (fresh prompts and continued ones alike)
+ * attend causally to their sequence's context where it lies, in the block-major paged KV pool.
+ * The chunk's own K/V are already written there, so every key is read from the pool.
+ *
+ *   kv     [num_blocks, num_layers, 2 (k|v), block_size, num_kv_heads, head_dim]  float32
+ *   q, out [num_tokens, num_heads, head_dim]
+ *   spans  [num_spans, 3]: first row in q, number of new tokens, position of the first
+ *   tables [num_spans, max_blocks] block ids
+ *
+ * Work item: one span, one kv head, a tile of LANES query vectors (row r, head h of the group,
+ * taken row-major), one per vector lane. Scores are computed a lane per query:
+ *
+ *     S[t][lane] = sum_d Q[lane][d] * K[t][d]      Q^T kept as [D][LANES], K[t][d] broadcast
+ *
+ * so the online softmax (running max m, sum l per lane) is all lane-wise vector work, with no
+ * horizontal sums, and each key row is loaded once for the tile's queries of all the group's
+ * heads. Then O[lane][:] += P[t][lane] * V[t][:] in each query's own row. Keys past a query's
+ * position are masked (only in the chunks that reach the tile's first position).
+ *
+ * The result for a query depends only on its sequence's context, never on the rest of the
+ * batch. It matches torch's SDPA to ~1e-6 (another summation order, another exp).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#define LANES (2 * W)     /* queries per tile: two vectors */
+#ifndef CHUNK
+#define CHUNK 16          /* keys per softmax update */
+#endif
+#define MASKED -1e30f     /* a score that exp() takes to 0 (no inf: built with -ffast-math) */
+
+#ifdef __AVX512F__
+#define W 16              /* floats per vector */
+#else
+#define W 8
+#endif
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef int32_t vi __attribute__((vector_size(4 * W)));
+
+static inline vf splat(float x) { return (vf){0} + x; }
+
+static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
+static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
+
+/* e^x for x <= 0 (exp(x) = 2^n e^r, |r| <= ln2 / 2; Cephes' polynomial for e^r), 0 below -87. */
+static inline vf vexp(vf x) {
+    const vf lo = splat(-87.0f);
+    vi under = x < lo;
+    x = vmax(x, lo);
+    vf y = x * 1.44269504088896341f + 0.5f;
+    vi n = __builtin_convertvector(y, vi);
+    n -= (vi)(__builtin_convertvector(n, vf) > y) & 1;  /* truncation -> floor */
+    vf fn = __builtin_convertvector(n, vf);
+    vf r = x - fn * 0.693359375f;
+    r = r + fn * 2.12194440e-4f;
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vf scale = (vf)((n + 127) << 23);
+    return vselect(under, splat(0.f), p * scale);
+}
+
+struct item { int32_t span, kv_head, first_lane; int64_t cost; };
+
+static int by_cost_desc(const void *a, const void *b) {
+    int64_t x = ((const struct item *)a)->cost, y = ((const struct item *)b)->cost;
+    return (x < y) - (x > y);
+}
+
+/* S[t] += Q^T . K[t] for TB keys at once: qt [D][2] lanes, krow[t] the keys' rows. */
+#define SCORES(TB)                                                                            \
+    do {                                                                                      \
+        vf a[TB][2] = {{{0}}};                                                                \
+        for (int64_t d = 0; d < D; d++) {                                                     \
+            const vf x0 = qt[d][0], x1 = qt[d][1];                                            \
+            for (int u = 0; u < TB; u++) {                                                    \
+                const float k = krow[t + u][d];                                               \
+                a[u][0] += x0 * k;                                                            \
+                a[u][1] += x1 * k;                                                            \
+            }                                                                                 \
+        }                                                                                     \
+        for (int u = 0; u < TB; u++) { s[t + u][0] = a[u][0]; s[t + u][1] = a[u][1]; }         \
+    } while (0)
+
+/* O^T[d] = O^T[d] * corr + sum_t P[t] V[t][d] for DB dims at once, in registers over the chunk. */
+#define VALUES(DB)                                                                            \
+    do {                                                                                      \
+        vf a[DB][2];                                                                          \
+        for (int i = 0; i < DB; i++) { a[i][0] = ot[d + i][0] * corr[0]; a[i][1] = ot[d + i][1] * corr[1]; } \
+        for (int64_t t = 0; t < nt; t++) {                                                    \
+            const vf p0 = p[t][0], p1 = p[t][1];                                              \
+            const float *vt = krow[t] + half + d;                                             \
+            for (int i = 0; i < DB; i++) { a[i][0] += p0 * vt[i]; a[i][1] += p1 * vt[i]; }    \
+        }                                                                                     \
+        for (int i = 0; i < DB; i++) { ot[d + i][0] = a[i][0]; ot[d + i][1] = a[i][1]; }      \
+    } while (0)
+
+static inline __attribute__((always_inline)) void prefill_tile(
+        const float *restrict q, float *restrict out, const float *restrict kv,
+        const int64_t *restrict table, int64_t first_row, int64_t num_new, int64_t start,
+        int64_t kv_head, int64_t first_lane, int64_t layer, int64_t num_layers, int64_t B,
+        int64_t num_heads, int64_t num_kv_heads, const int64_t D, float scale) {
+    const int64_t G = num_heads / num_kv_heads, num_lanes_total = num_new * G;
+    const int64_t tok_stride = num_kv_heads * D, half = B * tok_stride;
+    const int64_t block_stride = num_layers * 2 * half, layer_offset = layer * 2 * half;
+    /* Lane j of vector v is query v * W + j; qt and ot hold Q and O transposed. */
+    vf qt[D][2], ot[D][2], s[CHUNK][2], p[CHUNK][2], m[2], l[2], posv[2], corr[2];
+    int64_t row_of[LANES], head_of[LANES], min_pos = INT64_MAX, max_pos = 0;
+    for (int64_t j = 0; j < LANES; j++) {
+        /* Lanes past the span's end repeat its last query (computed, never written). */
+        int64_t lane = first_lane + j < num_lanes_total ? first_lane + j : num_lanes_total - 1;
+        row_of[j] = lane / G;
+        head_of[j] = kv_head * G + lane % G;
+        int64_t pos = start + row_of[j];
+        posv[j / W][j % W] = (float)pos;
+        min_pos = pos < min_pos ? pos : min_pos;
+        max_pos = pos > max_pos ? pos : max_pos;
+        const float *qj = q + ((first_row + row_of[j]) * num_heads + head_of[j]) * D;
+        for (int64_t d = 0; d < D; d++) qt[d][j / W][j % W] = qj[d] * scale;
+    }
+    for (int64_t d = 0; d < D; d++) ot[d][0] = ot[d][1] = splat(0.f);
+    for (int v = 0; v < 2; v++) { m[v] = splat(MASKED); l[v] = splat(0.f); }
+    const int64_t ctx = max_pos + 1;
+    for (int64_t c0 = 0; c0 < ctx; c0 += CHUNK) {
+        const int64_t nt = ctx - c0 < CHUNK ? ctx - c0 : CHUNK;
+        const float *krow[CHUNK];
+        for (int64_t t = 0; t < nt; t++) {
+            int64_t pos = c0 + t;
+            krow[t] = kv + table[pos / B] * block_stride + layer_offset + (pos % B) * tok_stride + kv_head * D;
+        }
+        int64_t t = 0;
+        for (; t + 8 <= nt; t += 8) SCORES(8);
+        for (; t < nt; t++) SCORES(1);
+        if (c0 + nt - 1 > min_pos)  /* some key here lies past some query */
+            for (t = 0; t < nt; t++)
+                for (int v = 0; v < 2; v++)
+                    s[t][v] = vselect(splat((float)(c0 + t)) > posv[v], splat(MASKED), s[t][v]);
+        for (int v = 0; v < 2; v++) {
+            vf mx = m[v], sum = {0};
+            for (t = 0; t < nt; t++) mx = vmax(mx, s[t][v]);
+            for (t = 0; t < nt; t++) { p[t][v] = vexp(s[t][v] - mx); sum += p[t][v]; }
+            corr[v] = vexp(m[v] - mx);
+            l[v] = l[v] * corr[v] + sum;
+            m[v] = mx;
+        }
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) VALUES(8);
+        for (; d < D; d++) VALUES(1);
+    }
+    for (int64_t j = 0; j < LANES && first_lane + j < num_lanes_total; j++) {
+        float *dst = out + ((first_row + row_of[j]) * num_heads + head_of[j]) * D;
+        const float inv = 1.f / l[j / W][j % W];
+        for (int64_t d = 0; d < D; d++) dst[d] = ot[d][j / W][j % W] * inv;
+    }
+}
+
+#define PAGED_PREFILL(name, HEAD_DIM)                                                          \
+    int name(const float *q, float *out, const float *kv, const int64_t *spans,                \
+             const int64_t *tables, int64_t num_spans, int64_t max_blocks, int64_t layer,      \
+             int64_t num_layers, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,  \
+             int64_t head_dim, float scale, int num_threads) {                                 \
+        const int64_t G = num_heads / num_kv_heads;                                            \
+        int64_t num_items = 0;                                                                 \
+        for (int64_t s = 0; s < num_spans; s++)                                                \
+            num_items += num_kv_heads * ((spans[3 * s + 1] * G + LANES - 1) / LANES);          \
+        struct item *items = malloc((num_items ? num_items : 1) * sizeof *items);              \
+        if (!items) return -1;                                                                 \
+        int64_t at = 0;                                                                        \
+        for (int64_t s = 0; s < num_spans; s++) {                                              \
+            const int64_t lanes = spans[3 * s + 1] * G;                                        \
+            for (int64_t h = 0; h < num_kv_heads; h++)                                         \
+                for (int64_t f = 0; f < lanes; f += LANES) {                                   \
+                    int64_t last = (f + LANES < lanes ? f + LANES : lanes) - 1;                \
+                    items[at++] = (struct item){(int32_t)s, (int32_t)h, (int32_t)f,            \
+                                                spans[3 * s + 2] + last / G + 1};              \
+                }                                                                              \
+        }                                                                                      \
+        /* Longest contexts first, so the last items to run are the short ones. */             \
+        qsort(items, num_items, sizeof *items, by_cost_desc);                                  \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")              \
+        for (int64_t i = 0; i < num_items; i++) {                                              \
+            const int64_t *sp = spans + 3 * items[i].span;                                     \
+            prefill_tile(q, out, kv, tables + items[i].span * max_blocks, sp[0], sp[1], sp[2], \
+                         items[i].kv_head, items[i].first_lane, layer, num_layers, block_size, \
+                         num_heads, num_kv_heads, HEAD_DIM, scale);                            \
+        }                                                                                      \
+        free(items);                                                                           \
+        return 0;                                                                              \
+    }
+
+PAGED_PREFILL(paged_prefill_f32, head_dim)
+PAGED_PREFILL(paged_prefill_f32_d64, 64)
+PAGED_PREFILL(paged_prefill_f32_d128, 128)
