@@ -56,7 +56,6 @@ class ModelRunner:
         model = LlamaForCausalLM(cfg)
         model.load_weights(weights)
         self.model = model.to(device=device, dtype=dtype).eval()
-        self.model.pack_for_decode()
         # After .to(dtype): RoPE frequencies stay fp32 like Hugging Face's.
         self.model.inv_freq = rope_inv_freq(cfg).to(device)
         shape = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -70,9 +69,11 @@ class ModelRunner:
             # Zero-filled, so every page of the pool is touched now rather than mid-request.
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self._gather_buffer = self.kv_cache.new_empty((2, 0) + tuple(self.kv_cache.shape[3:]))
-        # Attention reads blocks in place where kernels exist (the CPU's, fp32); else it runs
-        # in torch and gathers them (CUDA, bf16 on the CPU, or no C compiler).
+        # Where the CPU's kernels exist (fp32), attention reads blocks in place and decode steps
+        # use packed weights; else torch runs it all (CUDA, bf16 on the CPU, no C compiler).
         self._kernels = cpu_kernels.kernels() if device.type == "cpu" and dtype == torch.float32 else None
+        if self._kernels is not None:
+            self.model.pack_for_decode(self._kernels)
         self.sampler = Sampler()
         self._generators: dict[RequestId, torch.Generator] = {}
         self.grammars = GrammarMatchers(cfg.vocab_size)

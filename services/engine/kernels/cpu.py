@@ -44,6 +44,7 @@ SOURCES = {Path(__file__).with_name(name): flags for name, flags in (
     ("paged_prefill.c", ("-ffast-math",)),
     # torch's bits exactly: every operation rounded on its own, none fused into an FMA.
     ("rope_store.c", ("-ffp-contract=off",)),
+    ("small_gemm.c", ()),
 )}
 """Each source with the flags it adds to COMPILE_FLAGS."""
 LINK_FLAGS = ("-shared", "-fopenmp")
@@ -63,6 +64,10 @@ class CpuKernels:
     rope_store: Callable[..., torch.Tensor]
     """``(qkv, cos, sin, kv_cache, slot_rows, k_offset, v_offset, num_heads) -> q``: RoPE on the
     fused projection's q and k, k and v stored at token rows ``slot_rows + offset``."""
+    pack_weight: Callable[[torch.Tensor], torch.Tensor]
+    """``(weight [N, K]) -> packed``: a linear layer's weight in :attr:`small_gemm`'s panels."""
+    small_gemm: Callable[..., torch.Tensor]
+    """``(x [M, K], packed, bias | None, N) -> x W^T + bias``: for a decode step's few rows."""
 
 
 def enabled() -> bool:
@@ -133,6 +138,12 @@ def _library() -> ctypes.CDLL | None:
             fn.restype = restype
     lib.rope_store_f32.argtypes = [ptr] * 6 + [i64] * 6 + [i32]
     lib.rope_store_f32.restype = None
+    lib.small_gemm_packed_size.argtypes = [i64, i64]
+    lib.small_gemm_packed_size.restype = i64
+    lib.small_gemm_pack.argtypes = [ptr, ptr, i64, i64, i32]
+    lib.small_gemm_pack.restype = None
+    lib.small_gemm.argtypes = [ptr, i64, ptr, ptr, ptr] + [i64] * 4 + [i32]
+    lib.small_gemm.restype = None
     return lib
 
 
@@ -192,4 +203,22 @@ def kernels() -> CpuKernels | None:
                            num_heads, num_kv_heads, head_dim, torch.get_num_threads())
         return q
 
-    return CpuKernels(paged_decode, paged_prefill, rope_store)
+    def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+        assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.device.type == "cpu"
+        num_out, num_in = weight.shape
+        packed = weight.new_empty(lib.small_gemm_packed_size(num_out, num_in))
+        lib.small_gemm_pack(weight.data_ptr(), packed.data_ptr(), num_out, num_in, torch.get_num_threads())
+        return packed
+
+    def small_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, num_out: int) -> torch.Tensor:
+        # Rows may lie apart (a column slice of a wider tensor), as long as each is contiguous.
+        assert x.dim() == 2 and x.stride(1) == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
+        num_rows, num_in = x.shape
+        assert packed.numel() == lib.small_gemm_packed_size(num_out, num_in)
+        assert bias is None or (bias.is_contiguous() and bias.numel() == num_out)
+        y = x.new_empty(num_rows, num_out)
+        lib.small_gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                       y.data_ptr(), num_out, num_rows, num_out, num_in, torch.get_num_threads())
+        return y
+
+    return CpuKernels(paged_decode, paged_prefill, rope_store, pack_weight, small_gemm)

@@ -1,45 +1,80 @@
-"""oneDNN-packed weights on the CPU: used by steps that only decode, never by steps with prompt
-tokens (whose sums must stay transformers' own), and the same greedy tokens either way."""
+"""The CPU's small-batch product over packed weights: used by steps that only decode, never by
+steps with prompt tokens (whose sums must stay transformers' own), and the same greedy tokens
+either way."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 
 from services.engine import LLM, SamplingParams
-from services.engine.models import llama
-from services.engine.models.llama import Linear, LlamaForCausalLM
+from services.engine.kernels import cpu
+from services.engine.models.llama import Linear
 from tests.factories import make_tiny_model_dir
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: no packed weights, the dense path is tested elsewhere")
 
 
-def test_a_packed_linear_computes_the_same_product():
-    torch.manual_seed(0)
-    layer = Linear(96, 200, bias=True)
+@pytest.fixture
+def kernels():
+    k = cpu.kernels()
+    assert k is not None, "a C compiler is present but the kernels did not build (see the log)"
+    return k
+
+
+@pytest.mark.parametrize("num_in, num_out, bias", [(96, 200, True), (64, 32, False), (37, 5, True)])
+def test_a_packed_linear_computes_the_same_product(kernels, num_in, num_out, bias):
+    torch.manual_seed(num_out)
+    layer = Linear(num_in, num_out, bias=bias)
+    layer.weight.normal_()
+    if bias:
+        layer.bias.normal_()
+    layer.pack(kernels)
+    for rows in (1, 7, 8, 9, 32, 70):
+        x = torch.randn(rows, num_in)
+        dense = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        assert torch.equal(layer(x), dense)
+        assert (layer(x, packed=True) - dense).abs().max().item() <= 1e-5 * dense.abs().max().item()
+        # Rows that lie apart (a column slice, as the MLP's gate * up is) give the same bits.
+        wide = torch.randn(rows, 2 * num_in)
+        wide[:, :num_in] = x
+        assert torch.equal(layer(wide[:, :num_in], packed=True), layer(x, packed=True))
+
+
+def test_a_row_gets_the_same_bits_alone_and_in_a_batch(kernels):
+    torch.manual_seed(1)
+    layer = Linear(576, 960, bias=True)
     layer.weight.normal_()
     layer.bias.normal_()
-    layer.pack()
-    for rows in (1, 7, 32, 300):
-        x = torch.randn(rows, 96)
-        dense = layer(x)
-        assert torch.equal(dense, torch.nn.functional.linear(x, layer.weight, layer.bias))
-        assert (layer(x, packed=True) - dense).abs().max().item() <= 1e-5 * dense.abs().max().item()
+    layer.pack(kernels)
+    x = torch.randn(29, 576)
+    batch = layer(x, packed=True)
+    for i in (0, 7, 8, 28):
+        assert torch.equal(layer(x[i:i + 1], packed=True)[0], batch[i])
+        assert torch.equal(layer(x[i:i + 13], packed=True)[0], batch[i])
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_decode_steps_use_the_packed_weights_and_prompt_steps_do_not(tmp_path, monkeypatch, tied):
+def test_decode_steps_use_the_packed_weights_and_prompt_steps_do_not(tmp_path, monkeypatch, tied, kernels):
     path = make_tiny_model_dir(tmp_path / "m", "llama", seed=3, tie_word_embeddings=tied)
     prompts = [[(5 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate([9, 70, 200])]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
-    monkeypatch.setattr(LlamaForCausalLM, "pack_for_decode", lambda self: False)
-    dense = [o.token_ids for o in LLM(str(path), num_kv_blocks=128).generate(prompts, params)]
-    monkeypatch.undo()
+    dense_llm = LLM(str(path), num_kv_blocks=128)
+    for module in dense_llm.engine.runner.model.modules():
+        if isinstance(module, Linear):
+            module.packed = None
+    dense_llm.engine.runner.model.packed_tied_head = None
+    dense = [o.token_ids for o in dense_llm.generate(prompts, params)]
 
     packed_rows: list[int] = []
-    real = llama._packed_linear
-    monkeypatch.setattr(llama, "_packed_linear", lambda x, *a: packed_rows.append(x.shape[0]) or real(x, *a))
+    real = kernels.small_gemm
+    monkeypatch.setattr(cpu, "kernels", lambda: cpu.CpuKernels(
+        *[getattr(kernels, f) for f in ("paged_decode", "paged_prefill", "rope_store", "pack_weight")],
+        lambda x, *a, **kw: packed_rows.append(x.shape[0]) or real(x, *a, **kw)))
     llm = LLM(str(path), num_kv_blocks=128, max_num_batched_tokens=64)
     model = llm.engine.runner.model
     assert (model.packed_tied_head is not None) == tied and all(
