@@ -1,4 +1,4 @@
-"""Paged attention over the block-major KV pool, in plain torch (CPU and CUDA).
+"""Paged attention over the block-major KV pool: torch (CPU and CUDA) and the CPU's kernels.
 
 The pool is one tensor, block-major so that a block's KV for every layer is one contiguous
 byte range (what the transfer engine registers and moves)::
@@ -12,21 +12,20 @@ Two flat views of it are used, both indexed by arithmetic computed once per step
     block rows  [num_blocks * L * 2, B, kv_heads, head_dim]
                 row of (block b, layer l, c)           = b * 2L + 2l + c
 
-New K/V are written per token (``index_copy_`` on token rows); contexts are read per block
-(``index_select`` on block rows, 4x faster than per token), and positions past a sequence's
-length inside its last block are masked out.
+New K/V are written per token (``index_copy_`` on token rows, or the CPU's ``rope_store``);
+torch reads contexts per block (``index_select`` on block rows, 4x faster than per token), and
+positions past a sequence's length inside its last block are masked out.
 
-Given the CPU's kernels (:mod:`services.engine.kernels.cpu`), a step makes two calls a layer,
-both reading each context's blocks where they lie: one for every single-token decode, one for
-every other chunk (fresh prompts, continued chunks and prefix hits alike, causal from the
-chunk's start). Otherwise (CUDA, bf16, no C compiler) torch runs it:
-
-* a chunk that starts at position 0 attends to its own fresh K/V (causal, nothing to gather);
-* a chunk that continues a sequence (chunked prefill, prefix hit) gathers its context blocks
-  and uses an explicit causal mask offset by its start;
-* single-token decodes are sorted by context length and run in a few batches of similar
-  length, each gathered and padded to its longest (padding costs memory bandwidth, the decode
-  bottleneck).
+* a chunk that starts at position 0 attends to its own fresh K/V (torch's SDPA, causal,
+  nothing to gather);
+* a chunk that continues a sequence (chunked prefill, prefix hit) reads its context blocks
+  where they lie, given the CPU's kernels (:mod:`services.engine.kernels.cpu`: one call a
+  layer for all such chunks, causal from each chunk's start); otherwise it gathers them and
+  uses SDPA with an explicit causal mask offset by its start;
+* single-token decodes all go to the CPU's decode kernel in one call, which reads each
+  context's blocks in place; otherwise they are sorted by context length and run in a few
+  batches of similar length, each gathered and padded to its longest (padding costs memory
+  bandwidth, the decode bottleneck).
 """
 
 from __future__ import annotations
@@ -83,8 +82,8 @@ class AttentionMetadata:
     spans: list[Span]
     decodes: list[DecodeGroup]
     kernels: CpuKernels | None = None
-    """The CPU's kernels: then decodes and prefills are in the two batches, not in spans and
-    decodes, and the model stores K/V with :meth:`CpuKernels.rope_store`."""
+    """The CPU's kernels: then decodes and continued chunks are in the two batches, not in
+    decodes and spans, and the model stores K/V with ``CpuKernels.rope_store``."""
     decode_batch: DecodeBatch | None = None
     prefill_batch: PrefillBatch | None = None
     workspace: torch.Tensor | None = None
@@ -113,11 +112,12 @@ class AttentionMetadata:
 def build_metadata(chunks: list[tuple[int, int, list[int]]], block_size: int, num_layers: int,
                    device: torch.device, kernels: CpuKernels | None = None) -> AttentionMetadata:
     """``chunks``: (start_position, num_new_tokens, block_table) per sequence, in batch order.
-    With ``kernels`` (the CPU's), every chunk goes to them: single-token decodes as one
-    :class:`DecodeBatch`, the rest as one :class:`PrefillBatch`."""
+    With ``kernels`` (the CPU's), single-token decodes go to them as one :class:`DecodeBatch`
+    and continued chunks as one :class:`PrefillBatch`; fresh prompts stay spans."""
     stride = 2 * num_layers  # block rows per block
     slot_rows: list[int] = []
-    prefills: list[tuple[int, int, int, list[int]]] = []  # token_start, n, start, context blocks
+    spans: list[Span] = []
+    continued: list[tuple[int, int, int, list[int]]] = []  # token_start, n, start, context blocks
     dec_index: list[int] = []
     dec_tables: list[list[int]] = []
     dec_lengths: list[int] = []
@@ -130,8 +130,13 @@ def build_metadata(chunks: list[tuple[int, int, list[int]]], block_size: int, nu
             dec_index.append(token_start)
             dec_tables.append(table[:num_ctx_blocks])
             dec_lengths.append(start + 1)
+        elif start == 0:
+            # Fresh prompts attend with torch's SDPA even where kernels exist: it is what
+            # transformers runs, so prompt logits stay theirs bit for bit (the oracle's 1e-4 on
+            # SmolLM2 is about fp32's own rounding there; another summation order lands near it).
+            spans.append(Span(token_start, n, None, None))
         else:
-            prefills.append((token_start, n, start, table[:num_ctx_blocks]))
+            continued.append((token_start, n, start, table[:num_ctx_blocks]))
         token_start += n
 
     def long(values: list) -> torch.Tensor:
@@ -145,12 +150,12 @@ def build_metadata(chunks: list[tuple[int, int, list[int]]], block_size: int, nu
         decode_batch = prefill_batch = None
         if dec_index:
             decode_batch = DecodeBatch(long(dec_index), padded(dec_tables), long(dec_lengths))
-        if prefills:
-            prefill_batch = PrefillBatch(long([p[:3] for p in prefills]), padded([p[3] for p in prefills]))
-        return AttentionMetadata(num_layers, block_size, long(slot_rows), [], [], kernels, decode_batch,
+        if continued:
+            prefill_batch = PrefillBatch(long([c[:3] for c in continued]), padded([c[3] for c in continued]))
+        return AttentionMetadata(num_layers, block_size, long(slot_rows), spans, [], kernels, decode_batch,
                                  prefill_batch)
-    spans = [_span(token_start, n, start, blocks, block_size, stride, device)
-             for token_start, n, start, blocks in prefills]
+    spans += [_continued_span(token_start, n, start, blocks, block_size, stride, device)
+              for token_start, n, start, blocks in continued]
     groups = []
     for members in _group_by_length(dec_lengths):
         tables = [dec_tables[i] for i in members]
@@ -163,10 +168,8 @@ def build_metadata(chunks: list[tuple[int, int, list[int]]], block_size: int, nu
     return AttentionMetadata(num_layers, block_size, long(slot_rows), spans, groups)
 
 
-def _span(token_start: int, n: int, start: int, blocks: list[int], block_size: int, stride: int,
-          device: torch.device) -> Span:
-    if start == 0:
-        return Span(token_start, n, None, None)
+def _continued_span(token_start: int, n: int, start: int, blocks: list[int], block_size: int,
+                    stride: int, device: torch.device) -> Span:
     q_pos = torch.arange(start, start + n, device=device)
     mask = torch.arange(len(blocks) * block_size, device=device)[None, :] <= q_pos[:, None]
     return Span(token_start, n, torch.tensor([b * stride for b in blocks], device=device), mask)
@@ -193,13 +196,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: in
     token_rows.index_copy_(0, meta.slot_rows + v_offset, v)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                    kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, D] for the new tokens -> attention output [T, H, D].
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] for the new tokens -> attention output [T, H, D].
 
-    The new K/V are already in the pool (:func:`store_kv`, or the CPU's ``rope_store``); k/v
-    [T, Hkv, D] are the same values, which fresh prompts on the torch path attend to directly
-    (the kernels read everything from the pool and need none).
+    The new K/V are already in the pool (:func:`store_kv`, or the CPU's ``rope_store``); fresh
+    prompts attend to k/v directly, everything else reads the pool.
     """
     num_kv_heads, head_dim, bs = kv_cache.shape[4], kv_cache.shape[5], meta.block_size
     block_rows = kv_cache.view(-1, bs, num_kv_heads, head_dim)

@@ -7,6 +7,9 @@ the sampled tokens. It knows nothing of queues or of how blocks were chosen.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +43,24 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+@functools.cache
+def keep_heap_pages() -> bool:
+    """Have glibc serve blocks up to 32 MiB from the heap and keep what is freed there.
+
+    A step's activations (up to ~25 MiB each at 2,048 tokens) are freed and allocated again
+    every step. By default glibc maps the larger ones afresh and trims the heap, so the next
+    step faults the same memory in again, page by page: measured over the offline benchmark,
+    ~300K page faults and ~2.4 s of kernel time in most runs, against ~25K and ~0.6 s with this.
+    The process keeps its peak heap instead (a server's steady state anyway). Process-wide, set
+    once; False where the C library is not glibc.
+    """
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+
+
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
@@ -52,6 +73,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device, self.dtype = device, dtype
         self.eos_token_ids = tuple(eos_token_ids)
+        if device.type == "cpu":
+            keep_heap_pages()
         # Built uninitialised on the CPU (no random init to pay for), filled, then moved.
         model = LlamaForCausalLM(cfg)
         model.load_weights(weights)

@@ -61,9 +61,9 @@ class CpuKernels:
     """``(q, out, kv_cache, layer, rows, tables, lengths, scale)``: single-token decodes."""
     paged_prefill: PrefillKernel
     """``(q, out, kv_cache, layer, spans, tables, scale)``: chunks of new tokens, causal."""
-    rope_store: Callable[..., torch.Tensor]
-    """``(qkv, cos, sin, kv_cache, slot_rows, k_offset, v_offset, num_heads) -> q``: RoPE on the
-    fused projection's q and k, k and v stored at token rows ``slot_rows + offset``."""
+    rope_store: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    """``(qkv, cos, sin, kv_cache, slot_rows, k_offset, v_offset, num_heads) -> (q, k)``: RoPE
+    on the fused projection's q and k, k and v stored at token rows ``slot_rows + offset``."""
     pack_weight: Callable[[torch.Tensor], torch.Tensor]
     """``(weight [N, K]) -> packed``: a linear layer's weight in :attr:`small_gemm`'s panels."""
     small_gemm: Callable[..., torch.Tensor]
@@ -136,7 +136,7 @@ def _library() -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.argtypes = [ptr] * num_ptrs + [i64] * num_ints + [f32, i32]
             fn.restype = restype
-    lib.rope_store_f32.argtypes = [ptr] * 6 + [i64] * 6 + [i32]
+    lib.rope_store_f32.argtypes = [ptr] * 7 + [i64] * 6 + [i32]
     lib.rope_store_f32.restype = None
     lib.small_gemm_packed_size.argtypes = [i64, i64]
     lib.small_gemm_packed_size.restype = i64
@@ -190,18 +190,20 @@ def kernels() -> CpuKernels | None:
             raise MemoryError("the CPU prefill kernel could not allocate its work list")
 
     def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_rows: torch.Tensor, k_offset: int, v_offset: int, num_heads: int) -> torch.Tensor:
+                   slot_rows: torch.Tensor, k_offset: int, v_offset: int,
+                   num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         num_kv_heads, head_dim = kv_cache.shape[4:]
         num_tokens = qkv.shape[0]
         assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
         assert cos.numel() == sin.numel() == num_tokens * head_dim
         q = qkv.new_empty(num_tokens, num_heads, head_dim)
+        k = qkv.new_empty(num_tokens, num_kv_heads, head_dim)
         _check(qkv, q, kv_cache, slot_rows)
-        _check(cos, sin, kv_cache)
-        lib.rope_store_f32(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+        _check(cos, sin, k)
+        lib.rope_store_f32(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
                            kv_cache.data_ptr(), slot_rows.data_ptr(), k_offset, v_offset, num_tokens,
                            num_heads, num_kv_heads, head_dim, torch.get_num_threads())
-        return q
+        return q, k
 
     def pack_weight(weight: torch.Tensor) -> torch.Tensor:
         assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.device.type == "cpu"

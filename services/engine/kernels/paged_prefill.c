@@ -7,15 +7,17 @@
  *   spans  [num_spans, 3]: first row in q, number of new tokens, position of the first
  *   tables [num_spans, max_blocks] block ids
  *
- * Work item: one span, one kv head, a tile of LANES query vectors (row r, head h of the group,
- * taken row-major), one per vector lane. Scores are computed a lane per query:
+ * Work item: one span, one kv head, a tile of LANES queries (row r, head h of the group, taken
+ * row-major), one per vector lane. Everything is computed a lane per query, with Q and O kept
+ * transposed ([D][LANES]) and each key or value element broadcast to all lanes:
  *
- *     S[t][lane] = sum_d Q[lane][d] * K[t][d]      Q^T kept as [D][LANES], K[t][d] broadcast
+ *     S[t][lane]  = sum_d Q^T[d][lane] * K[t][d]
+ *     O^T[d][lane] = O^T[d][lane] * corr[lane] + sum_t P[t][lane] * V[t][d]
  *
- * so the online softmax (running max m, sum l per lane) is all lane-wise vector work, with no
- * horizontal sums, and each key row is loaded once for the tile's queries of all the group's
- * heads. Then O[lane][:] += P[t][lane] * V[t][:] in each query's own row. Keys past a query's
- * position are masked (only in the chunks that reach the tile's first position).
+ * so the online softmax (running max m, sum l, correction corr per lane) is all lane-wise
+ * vector work with no horizontal sums, and each key and value row is read once for the tile's
+ * queries of all the group's heads. Keys past a query's position are masked (only in the
+ * chunks that reach the tile's first position).
  *
  * The result for a query depends only on its sequence's context, never on the rest of the
  * batch. It matches torch's SDPA to ~1e-6 (another summation order, another exp).
@@ -24,9 +26,7 @@
 #include <stdlib.h>
 
 #define LANES (2 * W)     /* queries per tile: two vectors */
-#ifndef CHUNK
 #define CHUNK 16          /* keys per softmax update */
-#endif
 #define MASKED -1e30f     /* a score that exp() takes to 0 (no inf: built with -ffast-math) */
 
 #ifdef __AVX512F__

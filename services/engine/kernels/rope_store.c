@@ -4,6 +4,7 @@
  *   qkv       [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]   q | k | v per token
  *   cos, sin  [num_tokens, head_dim]
  *   q_out     [num_tokens, num_heads, head_dim]
+ *   k_out     [num_tokens, num_kv_heads, head_dim]   (k as stored, for attention in torch)
  *   kv        the pool as rows of num_kv_heads * head_dim floats; token t's K goes to row
  *             slot_rows[t] + k_offset, its V to row slot_rows[t] + v_offset
  *
@@ -23,8 +24,8 @@ static inline void rope_row(const float *restrict x, float *restrict y, const fl
     }
 }
 
-void rope_store_f32(const float *qkv, const float *cos, const float *sin, float *q_out, float *kv,
-                    const int64_t *slot_rows, int64_t k_offset, int64_t v_offset, int64_t num_tokens,
+void rope_store_f32(const float *qkv, const float *cos, const float *sin, float *q_out,
+                    float *k_out, float *kv, const int64_t *slot_rows, int64_t k_offset, int64_t v_offset, int64_t num_tokens,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int num_threads) {
     const int64_t D = head_dim, q_size = num_heads * D, kv_size = num_kv_heads * D;
     const int64_t row = q_size + 2 * kv_size;
@@ -34,6 +35,7 @@ void rope_store_f32(const float *qkv, const float *cos, const float *sin, float 
         float *k_dst = kv + (slot_rows[t] + k_offset) * kv_size, *v_dst = kv + (slot_rows[t] + v_offset) * kv_size;
         rope_row(x, q_out + t * q_size, c, s, num_heads, D);
         rope_row(x + q_size, k_dst, c, s, num_kv_heads, D);
+        for (int64_t i = 0; i < kv_size; i++) k_out[t * kv_size + i] = k_dst[i];
         for (int64_t i = 0; i < kv_size; i++) v_dst[i] = x[q_size + kv_size + i];
     }
 }

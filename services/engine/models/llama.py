@@ -110,15 +110,15 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         packed = meta.decode_only
         qkv = self.qkv_proj(x, packed)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         if meta.kernels is not None:
             # One pass: q and k rotated, k and v stored (the torch lines below, bit for bit).
-            q, k, v = meta.kernels.rope_store(qkv, cos, sin, kv_cache, meta.slot_rows,
-                                              *meta.token_row_offsets(self.layer), self.num_heads), None, None
+            q, k = meta.kernels.rope_store(qkv, cos, sin, kv_cache, meta.slot_rows,
+                                           *meta.token_row_offsets(self.layer), self.num_heads)
         else:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(-1, self.num_heads, self.head_dim)
             k = k.view(-1, self.num_kv_heads, self.head_dim)
-            v = v.view(-1, self.num_kv_heads, self.head_dim)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             store_kv(k, v, kv_cache, self.layer, meta)

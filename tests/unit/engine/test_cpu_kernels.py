@@ -66,26 +66,30 @@ def test_kernels_match_the_torch_path(kernels, heads, kv_heads, head_dim, block_
         store_kv(k, v, kv, layer, torch_meta)
         expected = paged_attention(q, k, v, kv, layer, torch_meta, scale)
         fused_meta = build_metadata(step, block_size, 3, torch.device("cpu"), kernels)
-        assert fused_meta.spans == [] and fused_meta.decodes == [] and not fused_meta.decode_only
+        assert fused_meta.decodes == [] and not fused_meta.decode_only
         assert fused_meta.decode_batch.rows.tolist() == [firsts[i] for i in (0, 1, 2, 6, 7)]
+        # Fresh prompts stay on SDPA (transformers' own sums); continued chunks go to the kernel.
+        assert [(s.token_start, s.num_tokens) for s in fused_meta.spans] == [
+            (firsts[i], n) for i, (start, n) in enumerate(chunks) if (start, n) in prefills and start == 0]
         assert fused_meta.prefill_batch.spans.tolist() == [
-            [firsts[i], n, start] for i, (start, n) in enumerate(chunks) if (start, n) in prefills]
-        got = paged_attention(q, None, None, kv, layer, fused_meta, scale)
+            [firsts[i], n, start] for i, (start, n) in enumerate(chunks) if (start, n) in prefills and start > 0]
+        got = paged_attention(q, k, v, kv, layer, fused_meta, scale)
         assert (got - expected).abs().max().item() < 1e-5
 
 
 def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(kernels):
     rng = random.Random(7)
-    chunks = [(rng.randint(20, 300), 1) for _ in range(10)] + [(0, 150), (40, 77), (0, 5)]
+    chunks = [(rng.randint(20, 300), 1) for _ in range(10)] + [(160, 150), (40, 77), (9, 5)]
     kv, q, k, v, step = _random_step(rng, 9, 3, 64, 16, 2, chunks)
     cpu_ = torch.device("cpu")
     meta = build_metadata(step, 16, 2, cpu_, kernels)
     store_kv(k, v, kv, 1, meta)
-    batch = paged_attention(q, None, None, kv, 1, meta, 0.125)
+    batch = paged_attention(q, k, v, kv, 1, meta, 0.125)
     first = 0
     for i, (_, n) in enumerate(chunks):
         rows = slice(first, first + n)
-        alone = paged_attention(q[rows], None, None, kv, 1, build_metadata([step[i]], 16, 2, cpu_, kernels), 0.125)
+        alone = paged_attention(q[rows], k[rows], v[rows], kv, 1, build_metadata([step[i]], 16, 2, cpu_, kernels),
+                                0.125)
         assert torch.equal(alone, batch[rows])
         first += n
 
@@ -107,8 +111,9 @@ def test_rope_store_gives_the_torch_lines_bits(kernels, heads, kv_heads, head_di
     expected_q = q * cos + rotate_half(q) * sin
     expected_kv = kv.clone()
     store_kv(k * cos + rotate_half(k) * sin, v, expected_kv, 2, meta)
-    got = kernels.rope_store(qkv, cos, sin, kv, meta.slot_rows, *meta.token_row_offsets(2), heads)
-    assert torch.equal(got, expected_q) and torch.equal(kv, expected_kv)
+    got_q, got_k = kernels.rope_store(qkv, cos, sin, kv, meta.slot_rows, *meta.token_row_offsets(2), heads)
+    assert torch.equal(got_q, expected_q) and torch.equal(got_k, k * cos + rotate_half(k) * sin)
+    assert torch.equal(kv, expected_kv)
 
 
 def test_engine_outputs_are_the_same_with_and_without_the_kernel(tiny_llama_dir, monkeypatch):
