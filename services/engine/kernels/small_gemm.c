@@ -12,13 +12,16 @@
 #include <stdint.h>
 #include <string.h>
 
+/* MR x 2 accumulators, two weight vectors and a broadcast fit the vector registers: 32 with
+ * AVX-512, 16 with AVX2. */
 #ifdef __AVX512F__
 #define W 16
+#define MR 12       /* rows per register tile */
 #else
 #define W 8
+#define MR 6
 #endif
 #define NR (2 * W)  /* outputs per panel */
-#define MR 8        /* rows per register tile */
 
 typedef float vf __attribute__((vector_size(4 * W)));
 typedef float vfu __attribute__((vector_size(4 * W), aligned(4)));
@@ -55,10 +58,17 @@ void small_gemm_pack(const float *w, float *packed, int64_t N, int64_t K, int nu
         }                                                                                     \
         for (int i = 0; i < R; i++) { out[i][0] = a[i][0]; out[i][1] = a[i][1]; }            \
     }
-TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8)
+TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
+#if MR > 6
+TILE(7) TILE(8) TILE(9) TILE(10) TILE(11) TILE(12)
+#endif
 
 typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, vf[][2], const char *);
-static const tile_fn TILES[MR + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6, tile_7, tile_8};
+static const tile_fn TILES[MR + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6,
+#if MR > 6
+                                      tile_7, tile_8, tile_9, tile_10, tile_11, tile_12
+#endif
+};
 
 void small_gemm(const float *x, int64_t lda, const float *packed, const float *bias, float *y,
                 int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {

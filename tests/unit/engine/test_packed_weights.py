@@ -81,9 +81,10 @@ def test_decode_steps_use_the_packed_weights_and_prompt_steps_do_not(tmp_path, m
         m.packed is not None for m in model.modules() if isinstance(m, Linear))
     assert [o.token_ids for o in llm.generate(prompts, params)] == dense
     # Only decode batches (at most 3 rows) went through the packed weights; prompt chunks of up
-    # to 64 tokens never did. Per decode step: 4 linear layers x 2 layers + the output layer.
+    # to 64 tokens never did. Per decode step: 5 products (qkv, o, gate, up, down) x 2 layers,
+    # and the output layer.
     assert packed_rows and max(packed_rows) <= 3
-    assert len(packed_rows) % 9 == 0
+    assert len(packed_rows) % 11 == 0
 
     packed_rows.clear()
     llm.engine.prompt_logits(prompts[0])
