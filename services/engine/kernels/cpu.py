@@ -47,6 +47,8 @@ SOURCES = {Path(__file__).with_name(name): flags for name, flags in (
     ("small_gemm.c", ()),
 )}
 """Each source with the flags it adds to COMPILE_FLAGS."""
+HEADERS = (Path(__file__).with_name("vector.h"),)
+"""Included by the sources: part of the build's identity."""
 LINK_FLAGS = ("-shared", "-fopenmp")
 SPECIALISED_HEAD_DIMS = (64, 128)
 """head_dims with an entry point of their own (``paged_decode_f32_d64``...)."""
@@ -101,6 +103,7 @@ def build(sources: dict[Path, tuple[str, ...]] = SOURCES, cache_dir: Path | None
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     parts = [text for s, flags in sources.items() for text in (s.name, s.read_text(), *flags)]
+    parts += [h.read_text() for h in HEADERS]
     key = hashlib.sha256("\0".join([*parts, *COMPILE_FLAGS, *LINK_FLAGS, version,
                                     _cpu_identity()]).encode()).hexdigest()[:16]
     directory = cache_dir or _cache_dir()

@@ -25,19 +25,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "vector.h"
+
 #define LANES (2 * W)     /* queries per tile: two vectors */
 #define CHUNK 16          /* keys per softmax update */
 #define MASKED -1e30f     /* a score that exp() takes to 0 (no inf: built with -ffast-math) */
-
-#ifdef __AVX512F__
-#define W 16              /* floats per vector */
-#else
-#define W 8
-#endif
-typedef float vf __attribute__((vector_size(4 * W)));
-typedef int32_t vi __attribute__((vector_size(4 * W)));
-
-static inline vf splat(float x) { return (vf){0} + x; }
 
 static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 
@@ -65,7 +57,7 @@ static inline vf vexp(vf x) {
     return vselect(under, splat(0.f), p * scale);
 }
 
-struct item { int32_t span, kv_head, first_lane; int64_t cost; };
+struct item { int64_t span, kv_head, first_lane, cost; };
 
 static int by_cost_desc(const void *a, const void *b) {
     int64_t x = ((const struct item *)a)->cost, y = ((const struct item *)b)->cost;
@@ -176,8 +168,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
             for (int64_t h = 0; h < num_kv_heads; h++)                                         \
                 for (int64_t f = 0; f < lanes; f += LANES) {                                   \
                     int64_t last = (f + LANES < lanes ? f + LANES : lanes) - 1;                \
-                    items[at++] = (struct item){(int32_t)s, (int32_t)h, (int32_t)f,            \
-                                                spans[3 * s + 2] + last / G + 1};              \
+                    items[at++] = (struct item){s, h, f, spans[3 * s + 2] + last / G + 1};      \
                 }                                                                              \
         }                                                                                      \
         /* Longest contexts first, so the last items to run are the short ones. */             \

@@ -12,19 +12,16 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vector.h"
+
 /* MR x 2 accumulators, two weight vectors and a broadcast fit the vector registers: 32 with
  * AVX-512, 16 with AVX2. */
 #ifdef __AVX512F__
-#define W 16
 #define MR 12       /* rows per register tile */
 #else
-#define W 8
 #define MR 6
 #endif
 #define NR (2 * W)  /* outputs per panel */
-
-typedef float vf __attribute__((vector_size(4 * W)));
-typedef float vfu __attribute__((vector_size(4 * W), aligned(4)));
 
 int64_t small_gemm_packed_size(int64_t N, int64_t K) { return (N + NR - 1) / NR * K * NR; }
 
