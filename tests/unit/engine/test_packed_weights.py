@@ -4,8 +4,6 @@ either way."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -13,16 +11,6 @@ from services.engine import LLM, SamplingParams
 from services.engine.kernels import cpu
 from services.engine.models.llama import Linear
 from tests.factories import make_tiny_model_dir
-
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="no C compiler: no packed weights, the dense path is tested elsewhere")
-
-
-@pytest.fixture
-def kernels():
-    k = cpu.kernels()
-    assert k is not None, "a C compiler is present but the kernels did not build (see the log)"
-    return k
 
 
 @pytest.mark.parametrize("num_in, num_out, bias", [(96, 200, True), (64, 32, False), (37, 5, True)])
