@@ -68,7 +68,8 @@ class DecodeBatch:
 
 @dataclass
 class PrefillBatch:
-    """Every other chunk of the step, for the kernel that reads blocks in place."""
+    """Every chunk of the step that continues a sequence with more than one new token (chunked
+    prefill, prefix hits), for the kernel that reads blocks in place."""
 
     spans: torch.Tensor   # [N, 3] first row in the flat batch, number of new tokens, start position
     tables: torch.Tensor  # [N, max_blocks] block ids, padded with 0

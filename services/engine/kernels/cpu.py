@@ -3,13 +3,12 @@
 Plain C with OpenMP, no Python or torch headers, so a build takes about a second. The sources
 are linked into one shared object, cached under ``$EPD_CACHE_DIR/kernels`` (else
 ``~/.cache/epd/kernels``) by a hash of the sources, the flags, the compiler and this CPU's model
-and feature flags (it is built with
-``-march=native``), and written under a temporary name then renamed, so processes that build at
-once do not collide. It needs ``libgomp.so.1``, the soname of the OpenMP runtime torch ships and
+and feature flags (it is built with ``-march=native``), and written under a temporary name then
+renamed, so processes that build at once do not collide. It needs ``libgomp.so.1``, the soname of the OpenMP runtime torch ships and
 has already loaded, so the kernels and torch share one thread pool.
 
 Flags are per source: the attention kernels use ``-ffast-math`` (vector ``expf``, reassociated
-sums), the RoPE kernel none (it reproduces torch's bits). ``-ffast-math`` applies to the compile
+sums), the RoPE kernel no contracted FMAs either (it reproduces torch's bits). ``-ffast-math`` applies to the compile
 step only: linking a shared object with it (gcc < 13) would set flush-to-zero for the whole
 process when the object loads.
 
@@ -131,7 +130,7 @@ def _library() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(build()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("CPU attention kernel unavailable, using the torch path: %s", e)
+        logger.warning("CPU kernels unavailable, using the torch path: %s", e)
         return None
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     for kind, num_ptrs, num_ints, restype in (("decode", 6, 8, None), ("prefill", 5, 8, i32)):
