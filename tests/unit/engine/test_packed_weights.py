@@ -26,7 +26,7 @@ def test_a_packed_linear_computes_the_same_product(kernels, num_in, num_out, bia
         dense = torch.nn.functional.linear(x, layer.weight, layer.bias)
         assert torch.equal(layer(x), dense)
         assert (layer(x, packed=True) - dense).abs().max().item() <= 1e-5 * dense.abs().max().item()
-        # Rows that lie apart (a column slice, as the MLP's gate * up is) give the same bits.
+        # Rows that lie apart (a column slice of a wider tensor) give the same bits.
         wide = torch.randn(rows, 2 * num_in)
         wide[:, :num_in] = x
         assert torch.equal(layer(wide[:, :num_in], packed=True), layer(x, packed=True))
