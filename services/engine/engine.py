@@ -348,13 +348,15 @@ class LLMEngine:
         return KVReservation(local + new, len(local))
 
     def fill_prefix(self, reservation: KVReservation, token_ids: list[int], hashes: list[BlockHash],
-                    num_filled: int) -> None:
-        """The first ``num_filled`` reserved blocks after the local ones now hold their KV: the
-        prefix cache finds them from now on. Every reserved block is unpinned."""
+                    filled: Sequence_[int]) -> None:
+        """Blocks ``filled`` (positions in the prompt, each past the reservation's local hits)
+        now hold their KV: the prefix cache finds them from now on. Every reserved block is
+        unpinned. A block's KV depends only on the tokens its hash chains over, so a filled
+        block is right under its hash even when an earlier one did not arrive."""
         bs, first = self.block_manager.block_size, reservation.num_local_blocks
-        filled = reservation.block_ids[first:first + num_filled]
-        self.block_manager.register(filled, [(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]))
-                                             for i in range(first, first + num_filled)])
+        assert all(first <= i < len(reservation.block_ids) for i in filled), (filled, first)
+        self.block_manager.register([reservation.block_ids[i] for i in filled],
+                                    [(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs])) for i in filled])
         self.block_manager.unpin(reservation.block_ids)
         reservation.block_ids = []
 

@@ -30,6 +30,7 @@ from kvstore.transfer.descriptors import KVHandle
 from kvstore.transfer.engine import TransferEngine
 from kvstore.transfer.state import TransferState
 from services.common import metrics
+from services.engine.seams import KVReservation
 from services.engine.sequence import MultiModalInput
 
 logger = logging.getLogger(__name__)
@@ -97,19 +98,22 @@ class StoreConnector:
             num_blocks = await self._apply_hit_rule(len(token_ids), hashes, num_local + num_held)
             if num_blocks <= num_local:
                 return 0
+            # Other requests ran while the store answered: the local prefix may have grown (they
+            # cached more blocks) or shrunk (evicted). The reservation is the one consistent
+            # view from here on: each lent block goes to its own position in the prompt, and
+            # only into the blocks the reservation allocated (past its own local hits).
             reservation = await engine.call(llm.reserve_prefix, token_ids, hashes, num_blocks)
             if reservation is None:
                 return 0
-            num_filled = 0
+            filled: list[int] = []
             try:
-                num_filled = await self._read(lent, num_blocks - num_local,
-                                              reservation.block_ids[reservation.num_local_blocks:])
+                filled = await self._read(lent, num_local, reservation, num_blocks)
             finally:
-                await engine.call(llm.fill_prefix, reservation, token_ids, hashes, num_filled)
+                await engine.call(llm.fill_prefix, reservation, token_ids, hashes, filled)
         finally:
             self.client.release_soon(lent)
-        STORE_HIT_BLOCKS.inc(num_filled)
-        return num_filled
+        STORE_HIT_BLOCKS.inc(len(filled))
+        return len(filled)
 
     async def _apply_hit_rule(self, num_tokens: int, hashes: list[BlockHash], num_block_hits: int) -> int:
         """Blocks the prefill may take: L1, or L1 - window when the SWA tier lacks the window."""
@@ -120,27 +124,30 @@ class StoreConnector:
             has_window = await self.client.has_window(hashes[l1 // bs - 1], l1)
         return hit_tokens(num_tokens, bs, num_block_hits, self.shape, lambda end: has_window) // bs
 
-    async def _read(self, lent: list, num_blocks: int, block_ids: list[int]) -> int:
-        """Read the first ``num_blocks`` lent blocks into ``block_ids``; how many leading ones
-        arrived (the leases stay with the caller)."""
+    async def _read(self, lent: list, first: int, reservation: KVReservation, num_blocks: int) -> list[int]:
+        """Read the lent blocks the reservation has room for: lent index ``i`` is the prompt's
+        block ``first + i``, wanted when it falls in [reservation's local hits, ``num_blocks``).
+        The positions that arrived, in order (the leases stay with the caller)."""
         llm, reads = self.instance.llm, []
         for item in lent:
-            wanted = [j for j, i in enumerate(item.indices) if i < num_blocks]
+            wanted = [j for j, i in enumerate(item.indices)
+                      if reservation.num_local_blocks <= first + i < num_blocks]
             if wanted:
                 handle = KVHandle(item.handle.lease_id, item.handle.owner, item.handle.regions,
                                   tuple(item.handle.blocks[j] for j in wanted))
-                reads.append((item, [item.indices[j] for j in wanted], handle))
+                reads.append((item, [first + item.indices[j] for j in wanted], handle))
         errors = await asyncio.gather(*(
-            read_kv(self.instance.transfer, handle, [llm.block_buffer(block_ids[i]).numpy() for i in indices])
-            for _, indices, handle in reads))
-        arrived = set()
-        for (item, indices, _), error in zip(reads, errors):
+            read_kv(self.instance.transfer, handle,
+                    [llm.block_buffer(reservation.block_ids[p]).numpy() for p in positions])
+            for _, positions, handle in reads))
+        arrived: list[int] = []
+        for (item, positions, _), error in zip(reads, errors):
             if error is None:
-                arrived.update(indices)
+                arrived += positions
             else:
                 logger.warning("reading %d blocks from store %s failed (%s): they are recomputed",
-                               len(indices), item.address, error)
-        return next((i for i in range(num_blocks) if i not in arrived), num_blocks)
+                               len(positions), item.address, error)
+        return sorted(arrived)
 
     # ----- write-back ---------------------------------------------------------------------
     def push_soon(self, token_ids: list[int], mm_inputs: tuple[MultiModalInput, ...] = (),

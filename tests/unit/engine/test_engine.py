@@ -107,7 +107,7 @@ def test_a_prefix_read_into_reserved_blocks_is_hit_and_salts_keep_caches_apart(t
     assert reservation.num_local_blocks == 2 and len(reservation.block_ids) == 9
     for block_id, source_id in zip(reservation.block_ids[2:8], export.block_ids[2:8]):  # 6 of the 7 arrive
         target.engine.block_buffer(block_id).copy_(source.engine.block_buffer(source_id))
-    target.engine.fill_prefix(reservation, prompt, hashes, 6)
+    target.engine.fill_prefix(reservation, prompt, hashes, range(2, 8))
     source.engine.release(export)
     assert target.engine.prompt_hashes(prompt)[1] == 8  # the 9th never arrived: not findable
     out = target.generate(prompt, GREEDY)[0]
