@@ -1,12 +1,17 @@
-"""``epd up``: the whole cluster on one machine, as child processes.
+"""``epd up``: the whole cluster on one machine, as child processes, kept running.
 
 Life cycle::
 
     start KV store nodes --wait for gRPC health SERVING--
     start encoders, prefills, decodes (free ports) --wait for gRPC health SERVING--
     start the router --wait for HTTP /health 200-- print the endpoints
-    wait: Ctrl-C / SIGTERM, or a child exits on its own
-    stop: SIGTERM to every child (they drain), SIGKILL after the grace period
+    supervise: a child that dies is restarted on the same ports, with back-off (supervisor.py);
+               the others keep serving meanwhile
+    stop (Ctrl-C / SIGTERM): SIGTERM to every child (they drain), SIGKILL after the grace period
+
+A child that dies while the cluster is still starting aborts the start (everything is stopped,
+exit status 1): a command line that cannot come up once will not come up by retrying. Once the
+cluster is up, only the launcher's own SIGINT / SIGTERM stops it.
 
 Children also get SIGTERM from the kernel if the launcher itself dies (PR_SET_PDEATHSIG), so
 no process outlives ``epd up``. Settings beyond these flags reach the children through their
@@ -16,9 +21,6 @@ own environment variables (EPD_PREFILL_*, EPD_DECODE_*, ...), which they inherit
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
-import glob
 import logging
 import os
 import random
@@ -33,13 +35,16 @@ from pathlib import Path
 
 import httpx
 
-from kvstore.transfer.memory import SHM_PREFIX
 from services.common.config import check, config_or_exit
-from services.common.server import wait_for_health
+from services.supervisor import (BackgroundSupervision, Child, ChildFailed, Probe, Supervisor,
+                                 remove_shared_memory_of)
 
 logger = logging.getLogger("epd.up")
-_PR_SET_PDEATHSIG = 1
-SHM_DIR = "/dev/shm"  # where MemoryRegion puts KV pools by default
+# Child and remove_shared_memory_of live in supervisor.py; benchmarks import them from here.
+__all__ = ["Child", "Cluster", "UpConfig", "free_port", "main", "remove_shared_memory_of", "run"]
+_SERVICES = {"encoder": "epd.v1.Encoder", "prefill": "epd.v1.Prefill", "decode": "epd.v1.Decode",
+             "kvstore": "epd.v1.KVStore"}
+"""Role -> the gRPC service name its health check reports."""
 
 
 @dataclass(frozen=True)
@@ -117,14 +122,6 @@ class UpConfig:
         return str(root / f"kvstore-{node}")
 
 
-@dataclass
-class Child:
-    name: str
-    address: str
-    process: subprocess.Popen
-    metrics_url: str = ""
-
-
 def free_port(host: str) -> int:
     """A port that is free now, from below the kernel's ephemeral range: a child binds it only
     after loading its model, and meanwhile sockets bound to port 0 (data servers, clients) must
@@ -148,18 +145,6 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def remove_shared_memory_of(pid: int) -> None:
-    """A child that was killed could not unlink its KV pool from /dev/shm: do it for it."""
-    for path in glob.glob(os.path.join(SHM_DIR, f"{SHM_PREFIX}{pid}-*")):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-
 class Cluster:
     def __init__(self, config: UpConfig) -> None:
         self.config = config
@@ -168,14 +153,16 @@ class Cluster:
         self.needs_keys: bool | None = False
         """Whether the router turned away a request without an API key (known once started;
         None: the router could not be asked)."""
+        self._background: BackgroundSupervision | None = None
 
     def _spawn(self, name: str, module: str, args: list[str]) -> Child:
         host = self.config.host
         port, metrics_port = free_port(host), free_port(host)
         argv = [sys.executable, "-m", module, "--host", host, "--port", str(port),
                 "--metrics-port", str(metrics_port), *args]
-        process = subprocess.Popen(argv, preexec_fn=_die_with_parent)
-        child = Child(name, f"{host}:{port}", process, f"http://{host}:{metrics_port}/metrics")
+        child = Child(name, f"{host}:{port}", argv, Probe(grpc_service=_SERVICES[name.split("-")[0]]),
+                      metrics_url=f"http://{host}:{metrics_port}/metrics")
+        child.spawn()
         self.children.append(child)
         return child
 
@@ -196,8 +183,28 @@ class Cluster:
             args += ["--disk-dir", disk_dir]
         return args + (["--redis-url", c.redis] if c.redis else [])
 
+    def _router(self, encoders: list[Child], prefills: list[Child], decodes: list[Child]) -> Child:
+        c = self.config
+        args = [arg for child in prefills for arg in ("--prefill", child.address)]
+        args += [arg for child in decodes for arg in ("--decode", child.address)]
+        args += [arg for child in encoders for arg in ("--encoder", child.address)]
+        args += ["--admin-port", str(c.admin_port)]
+        args += [arg for flag, value in (("--prefill-policy", c.prefill_policy),
+                                         ("--decode-policy", c.decode_policy)) if value for arg in (flag, value)]
+        args += ["--api-keys-file", c.api_keys] if c.api_keys else []
+        args += ["--redis-url", c.redis] if c.redis else []  # keys and limits shared through it
+        # Secrets go by environment, not argv: other users can read a process's argv.
+        env = {"EPD_ROUTER_ADMIN_TOKEN": self.admin_token}
+        if c.api_key:
+            env["EPD_ROUTER_API_KEYS"] = ",".join(c.api_key)
+        url = f"http://{c.host}:{c.port}"
+        return Child("router", f"{c.host}:{c.port}", [
+            sys.executable, "-m", "services.router", "--host", c.host, "--port", str(c.port), *args],
+            Probe(http_url=url + "/health"), metrics_url=url + "/metrics", env=env)
+
     async def start(self) -> str:
-        """Start every process; the router's base URL once everything is healthy."""
+        """Start every process; the router's base URL once everything is healthy. Raises
+        ChildFailed (a RuntimeError) if one exits or is not healthy in time."""
         c = self.config
         kvstores = [self._spawn(f"kvstore-{i}", "services.kvstore", self._kvstore_args(i)) for i in range(c.kvstores)]
         await self._wait_healthy(kvstores)
@@ -208,24 +215,11 @@ class Cluster:
         decodes = [self._spawn(f"decode-{i}", "services.decode", self._engine_args(kvstores) + ["--instance-id", f"decode-{i}"])
                    for i in range(c.decodes)]
         await self._wait_healthy(encoders + prefills + decodes)
-        router_args = [arg for child in prefills for arg in ("--prefill", child.address)]
-        router_args += [arg for child in decodes for arg in ("--decode", child.address)]
-        router_args += [arg for child in encoders for arg in ("--encoder", child.address)]
-        router_args += ["--admin-port", str(c.admin_port)]
-        router_args += [arg for flag, value in (("--prefill-policy", c.prefill_policy),
-                                                ("--decode-policy", c.decode_policy)) if value for arg in (flag, value)]
-        router_args += ["--api-keys-file", c.api_keys] if c.api_keys else []
-        router_args += ["--redis-url", c.redis] if c.redis else []  # keys and limits shared through it
-        # Secrets go by environment, not argv: other users can read a process's argv.
-        env = {**os.environ, "EPD_ROUTER_ADMIN_TOKEN": self.admin_token}
-        if c.api_key:
-            env["EPD_ROUTER_API_KEYS"] = ",".join(c.api_key)
-        router = Child("router", f"{c.host}:{c.port}", subprocess.Popen(
-            [sys.executable, "-m", "services.router", "--host", c.host, "--port", str(c.port), *router_args],
-            preexec_fn=_die_with_parent, env=env), metrics_url=f"http://{c.host}:{c.port}/metrics")
+        router = self._router(encoders, prefills, decodes)
+        router.spawn()
         self.children.append(router)
+        await self._wait_healthy([router])
         url = f"http://{router.address}"
-        await self._wait_http(router, url + "/health")
         try:  # asked, not guessed: keys may also come from Redis
             async with httpx.AsyncClient() as client:
                 self.needs_keys = (await client.get(url + "/v1/models", timeout=10)).status_code == 401
@@ -235,52 +229,42 @@ class Cluster:
         return url
 
     async def _wait_healthy(self, children: list[Child]) -> None:
-        services = {"encoder": "epd.v1.Encoder", "prefill": "epd.v1.Prefill", "decode": "epd.v1.Decode",
-                    "kvstore": "epd.v1.KVStore"}
+        await asyncio.gather(*(child.wait_healthy(self.config.startup_timeout_s) for child in children))
 
-        async def one(child: Child) -> None:
-            service = services[child.name.split("-")[0]]
-            deadline = time.monotonic() + self.config.startup_timeout_s
-            while time.monotonic() < deadline:
-                if child.process.poll() is not None:
-                    raise RuntimeError(f"{child.name} exited with status {child.process.returncode} while starting")
-                if await wait_for_health(child.address, service, timeout_s=1.0):
-                    return
-            raise RuntimeError(f"{child.name} was not healthy within {self.config.startup_timeout_s:.0f} s")
+    def child(self, name: str) -> Child:
+        return next(child for child in self.children if child.name == name)
 
-        await asyncio.gather(*(one(child) for child in children))
+    async def supervise(self, stop: asyncio.Event) -> None:
+        """Restart every child that dies, until ``stop`` is set (in this event loop)."""
+        await Supervisor(self.children, self.config.startup_timeout_s).run(stop)
 
-    async def _wait_http(self, child: Child, url: str) -> None:
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        async with httpx.AsyncClient() as client:
-            while time.monotonic() < deadline:
-                if child.process.poll() is not None:
-                    raise RuntimeError(f"{child.name} exited with status {child.process.returncode} while starting")
-                try:
-                    if (await client.get(url, timeout=2.0)).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.1)
-        raise RuntimeError(f"{child.name} did not answer {url} within {self.config.startup_timeout_s:.0f} s")
-
-    def exited(self) -> Child | None:
-        return next((child for child in self.children if child.process.poll() is not None), None)
+    def supervise_in_background(self) -> None:
+        """Restart every child that dies, from a thread of its own, until :meth:`stop`: for a
+        caller with no event loop running (tests)."""
+        assert self._background is None, "already supervised"
+        self._background = BackgroundSupervision(Supervisor(self.children, self.config.startup_timeout_s)).start()
 
     def stop(self) -> None:
-        """SIGTERM everything (router first, so no new work arrives), then SIGKILL stragglers."""
-        for child in reversed(self.children):
-            if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.config.stop_timeout_s
-        for child in self.children:
-            try:
-                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in time: killing it", child.name)
-                child.process.kill()
-                child.process.wait()
-            remove_shared_memory_of(child.process.pid)
+        """No more restarts; SIGTERM everything (router first, so no new work arrives), then
+        SIGKILL stragglers."""
+        if self._background is not None:
+            self._background.stop()
+        try:
+            for child in reversed(self.children):
+                if child.process.poll() is None:
+                    child.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.config.stop_timeout_s
+            for child in self.children:
+                try:
+                    child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop in time: killing it", child.name)
+                    child.process.kill()
+                    child.process.wait()
+                remove_shared_memory_of(child.process.pid)
+        finally:
+            if self._background is not None:
+                self._background.close()
 
 
 async def run(config: UpConfig) -> int:
@@ -309,18 +293,12 @@ async def run(config: UpConfig) -> int:
         else:
             print(f"  API keys   none: the API is open to anyone who can reach {config.host}"
                   "  (add some: --api-key KEY, or --api-keys FILE / --redis URL and epd admin keys create)", flush=True)
-        print(f"epd is up: {url}/v1  (OpenAI API; Ctrl-C stops everything)", flush=True)
-        while not stop.is_set():
-            if (dead := cluster.exited()) is not None:
-                logger.error("%s exited with status %s: stopping the cluster", dead.name, dead.process.returncode)
-                return 1
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=0.5)
-            except asyncio.TimeoutError:
-                pass
+        print(f"epd is up: {url}/v1  (OpenAI API; a process that dies is restarted; Ctrl-C stops everything)",
+              flush=True)
+        await cluster.supervise(stop)
         return 0
-    except RuntimeError as exc:
-        logger.error("%s", exc)
+    except ChildFailed as exc:
+        logger.error("%s: stopping the cluster", exc)
         return 1
     finally:
         await asyncio.to_thread(cluster.stop)

@@ -68,13 +68,16 @@ class RunningCluster:
 
 
 @contextlib.contextmanager
-def running_cluster(model: str, **settings) -> Iterator[RunningCluster]:
-    """``epd up`` with ``settings``; store nodes keep to memory (64 MiB) unless told otherwise."""
+def running_cluster(model: str, supervise: bool = False, **settings) -> Iterator[RunningCluster]:
+    """``epd up`` with ``settings``; store nodes keep to memory (64 MiB) unless told otherwise.
+    ``supervise``: a child that dies is restarted, as under ``epd up`` (off: it stays dead)."""
     settings = {"kvstore_dir": "none", "kvstore_capacity_mib": 64, "admin_port": free_port("127.0.0.1"), **settings}
     config = UpConfig(model=model, port=free_port("127.0.0.1"), **settings)
     cluster = Cluster(config)
     try:
         url = asyncio.run(cluster.start())
+        if supervise:
+            cluster.supervise_in_background()
         yield RunningCluster(url, cluster)
     finally:
         cluster.stop()

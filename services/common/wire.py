@@ -66,6 +66,8 @@ class LoadReport:
     num_transfers_in_flight: int = 0
     queued_prefill_compute_s: float = 0.0
     """Seconds of queued prefill work by the instance's own fitted cost model (0: not known)."""
+    num_restarts: int = 0
+    """Times the instance's supervisor (epd up) restarted it (its EPD_RESTART_COUNT)."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import asyncio
 import hashlib
 
 from services.common.errors import InvalidRequestError
-from services.common.server import LoadRpcs
+from services.common.server import LoadRpcs, restart_count
 from services.common.wire import LoadReport
 from services.encoder.worker import EncoderWorker, to_bytes
 from services.pb import common_pb2, encoder_pb2, encoder_pb2_grpc
@@ -47,4 +47,4 @@ class EncoderServicer(LoadRpcs, encoder_pb2_grpc.EncoderServicer):
 
     def load_report(self) -> LoadReport:
         return LoadReport(self.instance_id, "encoder", num_running=int(self._lock.locked()),
-                          num_patches_in_flight=self.num_patches_in_flight)
+                          num_patches_in_flight=self.num_patches_in_flight, num_restarts=restart_count())

@@ -21,7 +21,7 @@ import torch
 from kvstore.transfer.engine import TransferEngine
 from kvstore.transfer.memory import MemoryRegion
 from services.common.config import check
-from services.common.server import ServerOptions, serve
+from services.common.server import ServerOptions, restart_count, serve
 from services.common.errors import InvalidRequestError
 from services.common.wire import LoadReport, ModelInfo, RequestSpec, TensorBytes
 from services.engine.async_engine import AsyncEngine
@@ -130,7 +130,7 @@ class EngineInstance:
             num_waiting=stats.num_waiting, num_queued_prefill_tokens=stats.num_queued_prefill_tokens,
             num_kv_tokens_in_use=stats.num_kv_tokens_in_use, num_free_blocks=stats.num_free_blocks,
             num_total_blocks=stats.num_total_blocks, step_time_samples_s=samples,
-            queued_prefill_compute_s=stats.queued_prefill_compute_s, **extra)
+            queued_prefill_compute_s=stats.queued_prefill_compute_s, num_restarts=restart_count(), **extra)
 
 
 async def serve_instance(instance: EngineInstance, config: ServingConfig, worker,

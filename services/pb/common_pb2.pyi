@@ -107,7 +107,7 @@ class StopReason(_message.Message):
     def __init__(self, stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("instance_id", "role", "num_running", "num_waiting", "num_queued_prefill_tokens", "num_kv_tokens_in_use", "num_free_blocks", "num_total_blocks", "num_leases", "num_patches_in_flight", "step_time_samples_s", "is_draining", "num_transfers_in_flight", "queued_prefill_compute_s")
+    __slots__ = ("instance_id", "role", "num_running", "num_waiting", "num_queued_prefill_tokens", "num_kv_tokens_in_use", "num_free_blocks", "num_total_blocks", "num_leases", "num_patches_in_flight", "step_time_samples_s", "is_draining", "num_transfers_in_flight", "queued_prefill_compute_s", "num_restarts")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class LoadReport(_message.Message):
     IS_DRAINING_FIELD_NUMBER: _ClassVar[int]
     NUM_TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     num_running: int
@@ -136,7 +137,8 @@ class LoadReport(_message.Message):
     is_draining: bool
     num_transfers_in_flight: int
     queued_prefill_compute_s: float
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_kv_tokens_in_use: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_leases: _Optional[int] = ..., num_patches_in_flight: _Optional[int] = ..., step_time_samples_s: _Optional[_Iterable[float]] = ..., is_draining: _Optional[bool] = ..., num_transfers_in_flight: _Optional[int] = ..., queued_prefill_compute_s: _Optional[float] = ...) -> None: ...
+    num_restarts: int
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_kv_tokens_in_use: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_leases: _Optional[int] = ..., num_patches_in_flight: _Optional[int] = ..., step_time_samples_s: _Optional[_Iterable[float]] = ..., is_draining: _Optional[bool] = ..., num_transfers_in_flight: _Optional[int] = ..., queued_prefill_compute_s: _Optional[float] = ..., num_restarts: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()

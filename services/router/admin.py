@@ -1,6 +1,8 @@
 """The router's admin API: see and steer the balancers at run time (a separate port, bearer token).
 
-    GET  /admin/instances                      every instance: id, role, health, drain, load, bucket
+    GET  /admin/instances                      every instance: id, role, health, drain, load, bucket,
+                                               restarts (by its supervisor; None before its first report)
+    GET  /admin/router                         this router: pid, restarts (by its supervisor)
     POST /admin/instances/{id}/drain           no new requests for it (in-flight ones finish)
     POST /admin/instances/{id}/undrain
     GET  /admin/policies                       each role's policy, picks per policy, last pick
@@ -17,6 +19,7 @@ Every path needs ``Authorization: Bearer <admin token>`` (401 otherwise). Errors
 
 from __future__ import annotations
 
+import os
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +29,7 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict
 
+from services.common.server import restart_count
 from services.router.admin_keys import add_key_routes
 from services.router.auth import KeyStore
 from services.router.instances import InstancePool
@@ -104,6 +108,7 @@ def create_admin_app(pools: dict[str, InstancePool], token: str,
                 out.append({"id": view.instance_id, "address": instance.address, "role": role,
                             "healthy": view.is_healthy, "draining": view.is_draining, "drained": instance.is_drained,
                             "bucket": bucket_of.get(view.instance_id),
+                            "restarts": None if load is None else load.num_restarts,
                             "load": None if load is None else {
                                 "num_running": load.num_running, "num_waiting": load.num_waiting,
                                 "num_queued_prefill_tokens": load.num_queued_prefill_tokens,
@@ -112,6 +117,10 @@ def create_admin_app(pools: dict[str, InstancePool], token: str,
                                 "num_patches_in_flight": load.num_patches_in_flight,
                                 "num_sent_since_report": instance.num_sent}})
         return out
+
+    @app.get("/admin/router", dependencies=[Depends(authorized)])
+    def router() -> dict[str, Any]:
+        return {"pid": os.getpid(), "restarts": restart_count()}
 
     @app.post("/admin/instances/{instance_id}/drain", dependencies=[Depends(authorized)])
     async def drain(instance_id: str) -> dict[str, Any]:

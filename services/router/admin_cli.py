@@ -1,6 +1,7 @@
 """``epd admin``: the router's admin API from the command line (prints the JSON it gets back).
 
     epd admin instances
+    epd admin router                            (the router itself: pid, restarts)
     epd admin drain ID | undrain ID
     epd admin policies
     epd admin policy ROLE NAME                  (ROLE: prefill, decode, encoder)
@@ -35,7 +36,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default=os.environ.get("EPD_ADMIN_URL", "http://127.0.0.1:8001"))
     p.add_argument("--token", default=os.environ.get("EPD_ROUTER_ADMIN_TOKEN", ""))
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("instances", help="every instance with its health, drain state, load and bucket")
+    sub.add_parser("instances", help="every instance with its health, drain state, load, bucket and restarts")
+    sub.add_parser("router", help="the router itself: pid and restarts")
     for name in ("drain", "undrain"):
         sub.add_parser(name, help=f"{name} one instance").add_argument("instance_id")
     sub.add_parser("policies", help="each role's policy and per-policy stats")
@@ -72,8 +74,8 @@ def _key_request(args: argparse.Namespace) -> tuple[str, str, dict | None]:
 
 def request(args: argparse.Namespace) -> tuple[str, str, dict | None]:
     """(method, path, json body) for the parsed command."""
-    if args.command == "instances":
-        return "GET", "/admin/instances", None
+    if args.command in ("instances", "router"):
+        return "GET", f"/admin/{args.command}", None
     if args.command in ("drain", "undrain"):
         return "POST", f"/admin/instances/{args.instance_id}/{args.command}", None
     if args.command == "policies":

@@ -31,6 +31,7 @@ LOAD_GAUGES: tuple[tuple[str, str, str], ...] = (
     ("epd_router_instance_kv_tokens", "num_kv_tokens_in_use",
      "KV tokens held by the instance's running requests (its last load report)."),
     ("epd_router_instance_free_blocks", "num_free_blocks", "Free KV blocks on the instance (its last load report)."),
+    ("epd_router_instance_restarts", "num_restarts", "Times the instance's supervisor restarted it (its last load report)."),
 )
 """(metric name, LoadReport field, help)."""
 

@@ -1,4 +1,5 @@
-"""``epd up`` as a user runs it: everything starts, and nothing outlives it."""
+"""``epd up`` as a user runs it: everything starts, a child that dies is restarted, and nothing
+outlives it."""
 
 from __future__ import annotations
 
@@ -104,3 +105,45 @@ def test_epd_up_serves_and_leaves_no_orphan(tiny_chat_model_dir, sig):
             if is_alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert not [f for f in os.listdir("/dev/shm") if any(f"-{pid}-" in f for pid in pids)]
+
+
+def children_of(pid: int) -> dict[int, str]:
+    """Live child processes of ``pid``: pid -> command line."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile
+    return found
+
+
+def test_epd_up_restarts_a_killed_child_and_only_its_own_signal_stops_it(tiny_chat_model_dir):
+    port = free_port("127.0.0.1")
+    process, pids = start_up(tiny_chat_model_dir, port)
+    decode = pids[3]  # store node, encoder, prefill, decode-0, decode-1, router
+    try:
+        args = children_of(process.pid)[decode]
+        os.kill(decode, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while (back := [pid for pid, cmd in children_of(process.pid).items() if cmd == args and pid != decode]) == []:
+            assert process.poll() is None, "epd up stopped when a child died"
+            assert time.monotonic() < deadline, "the killed decode was not restarted"
+            time.sleep(0.1)
+        for _ in range(4):  # still serving (round robin over both decodes once the new one reports)
+            reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                               json={"model": "tiny-chat0", "prompt": "Hello", "max_tokens": 4})
+            assert reply.status_code == 200, reply.text
+        assert process.poll() is None
+        process.send_signal(signal.SIGTERM)
+        assert wait_gone([pid for pid in pids if pid != decode] + back) == []
+        assert process.wait(timeout=30) == 0
+    finally:
+        for pid in children_of(process.pid):
+            os.kill(pid, signal.SIGKILL)
+        process.kill()
+        process.wait()
+        process.stdout.close()
+    assert not [f for f in os.listdir("/dev/shm") if any(f"-{pid}-" in f for pid in pids + back)]

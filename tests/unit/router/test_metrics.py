@@ -109,7 +109,7 @@ def test_pool_metrics_reads_load_health_buckets_and_picks():
             p0, p1 = prefill.instances
             p0.instance_id, p0.load = "prefill-0", LoadReport(
                 "prefill-0", "prefill", num_running=2, num_waiting=3, num_queued_prefill_tokens=500,
-                num_kv_tokens_in_use=700, num_free_blocks=40)
+                num_kv_tokens_in_use=700, num_free_blocks=40, num_restarts=2)
             p0.report_at = time.monotonic()
             p1.is_drained = True
             d0, d1 = decode.instances
@@ -146,6 +146,8 @@ def test_pool_metrics_reads_load_health_buckets_and_picks():
         ("epd_router_instance_kv_tokens", ("decode", "decode-0")): 0.0,
         ("epd_router_instance_free_blocks", ("prefill", "prefill-0")): 40.0,
         ("epd_router_instance_free_blocks", ("decode", "decode-0")): 9.0,
+        ("epd_router_instance_restarts", ("prefill", "prefill-0")): 2.0,
+        ("epd_router_instance_restarts", ("decode", "decode-0")): 0.0,
         # Only prefill-0 is available (10.0.0.2:1 is drained): bucket 0 has the demand, so it.
         ("epd_router_bucket_instances", ("0",)): 1.0,
         ("epd_router_bucket_instances", ("1",)): 0.0,
