@@ -1,8 +1,9 @@
 """Which blocks a store holds, for how long, and which go first when it is full.
 
 The metadata index sits behind one small interface (STYLE rule 5): :class:`EmbeddedIndex` lives
-inside a store process (the default); a shared Redis index, for several store nodes and
-routers, implements the same methods. Every decision takes the time from an injectable clock,
+inside a store process and makes every decision; ``redis_index.RedisIndex`` implements the same
+methods in a shared Redis, where ``mirrored_index.MirroredIndex`` publishes a node's embedded
+index for its peers to read. Every decision takes the time from an injectable clock,
 so tests and the trace replay move time instead of waiting for it.
 
 A block is in one of three states::
@@ -139,6 +140,10 @@ class EmbeddedIndex(BlockIndex):
     def is_live(self, block_hash: Hashable) -> bool:
         entry = self._entries.get(block_hash)
         return entry is not None and entry.expires_at > self.clock()
+
+    def entry(self, block_hash: Hashable) -> Entry | None:
+        """The block's record as it stands (no renewal); None: not held."""
+        return self._entries.get(block_hash)
 
     # ----- internals ---------------------------------------------------------------------
     def _renew(self, block_hash: Hashable, entry: Entry, now: float) -> None:

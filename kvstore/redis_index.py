@@ -5,12 +5,18 @@ suite against both): TTLs renewed on hit, eviction of expired blocks first, then
 recently used. Time comes from the caller's clock (so tests can move it), and every key also
 carries a Redis TTL that follows its block's, so an abandoned index empties itself.
 
+A store node decides with its own embedded index and publishes it here
+(``mirrored_index.MirroredIndex``, through :meth:`RedisIndex.publish` and
+:meth:`RedisIndex.replace_all`); other nodes read it with :meth:`RedisIndex.peek`, which renews
+nothing (only the holder's own hits renew its blocks).
+
 Per index (``prefix``)::
 
     {prefix}:b:<hash>   string: the block's TTL in seconds        PEXPIRE = the block's TTL
     {prefix}:exp        sorted set: hash -> expires_at             (expired first)
     {prefix}:lru        sorted set: hash -> last use, a tick       (then least recently used)
     {prefix}:tick       counter: one tick per use (never two uses tie, as times can)
+    {prefix}:published  "1" once a node published its whole index (gone: Redis lost it)
 
 Lookups and inserts are Lua scripts, so concurrent nodes never see half an update.
 """
@@ -18,11 +24,14 @@ Lookups and inserts are Lua scripts, so concurrent nodes never see half an updat
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import redis
 
 from kvstore.index import BlockIndex, Clock
+
+PUBLISH_BATCH = 1000
+"""Changes per pipeline: a node re-publishing 64K blocks sends 64 round trips, none of them long."""
 
 # ARGV: now, is_prefix ("1": stop at the first miss), hashes...; returns 1/0 per hash looked at.
 _LOOKUP = """
@@ -83,6 +92,7 @@ class RedisIndex(BlockIndex):
         self.capacity_blocks = capacity_blocks
         self.clock = clock
         self._keys = [f"{prefix}:exp", f"{prefix}:lru", f"{prefix}:b:", f"{prefix}:tick"]
+        self._published = f"{prefix}:published"
         self._lookup = client.register_script(_LOOKUP)
         self._insert = client.register_script(_INSERT)
 
@@ -102,7 +112,7 @@ class RedisIndex(BlockIndex):
         prefix = self._keys[2]
         for batch in _batches(self.client.scan_iter(match=prefix + "*", count=1000)):
             self.client.delete(*batch)
-        self.client.delete(self._keys[0], self._keys[1], self._keys[3])
+        self.client.delete(self._keys[0], self._keys[1], self._keys[3], self._published)
 
     def insert(self, block_hash: Hashable, ttl_s: float, expires_at: float | None = None) -> list[Hashable]:
         if not ttl_s > 0:
@@ -121,6 +131,42 @@ class RedisIndex(BlockIndex):
     def is_live(self, block_hash: Hashable) -> bool:
         expires = self.client.zscore(self._keys[0], _member(block_hash))
         return expires is not None and expires > self.clock()
+
+    def peek(self, hashes: Sequence[Hashable]) -> list[bool]:
+        """Which of ``hashes`` are live here, renewing none (what another node may ask)."""
+        if not hashes:
+            return []
+        now = self.clock()
+        return [s is not None and s > now for s in self.client.zmscore(self._keys[0], [_member(h) for h in hashes])]
+
+    def publish(self, changes: Mapping[Hashable, tuple[float, float] | None]) -> None:
+        """Mirror a node's changes: block -> (expires_at, ttl_s), or None when it is gone.
+
+        Removals go first: an index mirroring one of the same capacity that way never has to
+        evict on its own. One round trip per PUBLISH_BATCH changes."""
+        items = sorted(changes.items(), key=lambda item: item[1] is not None)
+        for start in range(0, len(items), PUBLISH_BATCH):
+            pipe = self.client.pipeline(transaction=False)
+            now = repr(self.clock())
+            for block_hash, state in items[start:start + PUBLISH_BATCH]:
+                member = _member(block_hash)
+                if state is None:
+                    pipe.zrem(self._keys[0], member).zrem(self._keys[1], member).delete(self._keys[2] + member)
+                else:
+                    expires_at, ttl_s = state
+                    self._insert(keys=self._keys, args=[now, member, repr(float(ttl_s)), self.capacity_blocks,
+                                                        repr(float(expires_at))], client=pipe)
+            pipe.execute()
+
+    def replace_all(self, entries: Mapping[Hashable, tuple[float, float]]) -> None:
+        """Make this index hold exactly ``entries`` (block -> (expires_at, ttl_s)) and mark it published."""
+        self.clear()
+        self.publish(entries)
+        self.client.set(self._published, "1")
+
+    def is_published(self) -> bool:
+        """False once Redis lost what :meth:`replace_all` wrote (restarted empty, flushed)."""
+        return bool(self.client.exists(self._published))
 
     def __len__(self) -> int:
         return int(self.client.zcard(self._keys[1]))

@@ -9,10 +9,11 @@ Life cycle of a block on a node::
         into a host slot (a failed checksum drops it: a miss) --> slots pinned under a lease
         --> KVHandle --> the engine reads one-sided --> Release (or lease expiry) unpins
 
-Three indexes, one job each: the *node index* (embedded, or this node's namespace in a shared
-Redis) says what the node holds and for how long, and evicts expired-first then LRU at the
-node's capacity; the host tier's and the disk tier's own indexes only decide which blocks stay
-in memory and which records live on disk. A block the node index evicts leaves both tiers.
+Three indexes, one job each: the *node index* (embedded; with a shared Redis also published
+under this node's namespace there for the other nodes, ``mirrored_index.py``) says what the
+node holds and for how long, and evicts expired-first then LRU at the node's capacity; the host
+tier's and the disk tier's own indexes only decide which blocks stay in memory and which
+records live on disk. A block the node index evicts leaves both tiers.
 
 Torch-free and gRPC-free: ``services/kvstore`` serves it; tests drive it directly.
 """

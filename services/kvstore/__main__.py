@@ -19,7 +19,8 @@ from kvstore.transfer.engine import TransferEngine
 from services.common.config import config_or_exit
 from services.common.server import ServerOptions, serve
 from services.kvstore.config import KVStoreConfig
-from services.kvstore.servicer import NodeMetrics, Peers, add_to_server
+from services.kvstore.peers import Peers
+from services.kvstore.servicer import NodeMetrics, add_to_server
 
 
 async def expire_leases(node: StoreNode, period_s: float = 1.0) -> None:
@@ -33,12 +34,18 @@ async def run(config: KVStoreConfig) -> int:
     node_id = config.node_id or f"kvstore-{config.port}"
     registry = make_index = None
     if config.redis_url:
-        import redis
-
+        from kvstore.index import EmbeddedIndex
+        from kvstore.mirrored_index import MirroredIndex
         from kvstore.redis_index import NodeRegistry
+        from services.common.redis_link import sync_client
 
-        registry = NodeRegistry(redis.Redis.from_url(config.redis_url))
-        make_index = lambda capacity: registry.index_of(node_id, capacity)  # noqa: E731
+        # The node decides with its own index and publishes it in Redis for the others, so
+        # Redis being down never stops it serving its own blocks (services/kvstore/peers.py).
+        registry = NodeRegistry(sync_client(config.redis_url))
+
+        def make_index(capacity: int) -> MirroredIndex:
+            return MirroredIndex(EmbeddedIndex(capacity), registry.index_of(node_id, capacity))
+
     transfer = TransferEngine(host=config.host, port=config.transfer_port, advertise_host=config.advertise_host)
     node = StoreNode(node_id, config.layout(), transfer, make_index, config.retention())
     peers = Peers(node, registry)
@@ -49,7 +56,7 @@ async def run(config: KVStoreConfig) -> int:
 
     try:
         return await serve(lambda server: add_to_server(server, node, peers), ServerOptions.from_config(config),
-                           "epd.v1.KVStore", ready=ready, background=[expire_leases(node), peers.announce()])
+                           "epd.v1.KVStore", ready=ready, background=[expire_leases(node), peers.keep_up()])
     finally:
         node.close()
         transfer.close()

@@ -2,8 +2,9 @@
 
 Blocking node work (reads of a writer's blocks, disk reads, Redis calls) runs in threads, off
 the event loop; a memory-only node answers lookups and acquires inline, since a thread hop
-would cost more than the work. With a shared Redis, :class:`Peers` lets any node answer a
-lookup for every live node.
+would cost more than the work. With a shared Redis, :class:`~services.kvstore.peers.Peers` lets
+any node answer a lookup for every live node (and degrades to this node's own blocks while
+Redis is down).
 """
 
 from __future__ import annotations
@@ -15,56 +16,16 @@ from collections.abc import Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvstore.hashing import BlockHash
-from kvstore.redis_index import NodeRegistry
 from kvstore.store import StoreNode
 from services.common.errors import InvalidRequestError
 from services.common.wire import kv_handle_from_proto, kv_handle_to_proto
+from services.kvstore.peers import Peers
 from services.pb import kvstore_pb2, kvstore_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 MAX_HASHES = 1 << 16
 """Blocks one request may name (a 1M-token prompt at 16 tokens per block)."""
-
-
-class Peers:
-    """The nodes a lookup answers for: this one, plus every live node of a shared Redis."""
-
-    def __init__(self, node: StoreNode, registry: NodeRegistry | None = None) -> None:
-        self.node = node
-        self.registry = registry
-        self.address = ""
-        """This node's gRPC address, set once the server is bound."""
-
-    def lookup(self, hashes: Sequence[BlockHash]) -> list[list[str]]:
-        """Per hash, the addresses of the nodes that hold it (this node first)."""
-        holders: list[list[str]] = [[self.address] if held else [] for held in self.node.lookup(hashes)]
-        for node_id, address in self._others().items():
-            for i, held in enumerate(self.registry.index_of(node_id).present(hashes)):
-                if held:
-                    holders[i].append(address)
-        return holders
-
-    def nodes(self) -> list[tuple[str, str]]:
-        """(node id, address) of this node, then of every other live node."""
-        return [(self.node.node_id, self.address), *sorted(self._others().items())]
-
-    async def announce(self, period_s: float | None = None) -> None:
-        """Forever: keep this node in the registry (it drops out within its TTL once stopped)."""
-        if self.registry is None:
-            await asyncio.Event().wait()
-        period_s = period_s or self.registry.ttl_s / 3
-        try:
-            while True:
-                await asyncio.to_thread(self.registry.announce, self.node.node_id, self.address)
-                await asyncio.sleep(period_s)
-        finally:
-            self.registry.withdraw(self.node.node_id)
-
-    def _others(self) -> dict[str, str]:
-        if self.registry is None:
-            return {}
-        return {n: a for n, a in self.registry.live().items() if n != self.node.node_id}
 
 
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
@@ -101,11 +62,16 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         if request_class not in ("agent", "chat"):
             raise InvalidRequestError(f"unknown request_class {request_class!r} (agent or chat)")
         try:
-            result = await asyncio.to_thread(self.node.put, hashes, source, request_class)
+            result = await asyncio.to_thread(self._put, hashes, source, request_class)
         except ValueError as exc:  # blocks of another size than this node's
             raise InvalidRequestError(str(exc)) from None
         return kvstore_pb2.PutResponse(num_stored=result.num_stored, num_renewed=result.num_renewed,
                                        num_failed=result.num_failed)
+
+    def _put(self, hashes: list[BlockHash], source, request_class: str):
+        result = self.node.put(hashes, source, request_class)
+        self.peers.publish()  # the other nodes see the new blocks before the writer hears back
+        return result
 
     async def Nodes(self, request, context):
         nodes = await self._run(self.peers.nodes)
@@ -145,6 +111,9 @@ class NodeMetrics:
         yield CounterMetricFamily("epd_kvstore_miss_blocks", "Blocks asked of Acquire and not held.", value=s.num_misses)
         yield CounterMetricFamily("epd_kvstore_corrupt_blocks", "Blocks dropped: their data failed a checksum.",
                                   value=s.num_corrupt)
+        yield CounterMetricFamily("epd_kvstore_index_resyncs", "Times the node published its whole index to "
+                                  "Redis (at start, and after Redis was down or lost it).",
+                                  value=getattr(self.node.index, "num_resyncs", 0))
 
 
 def _hashes(raw: Sequence[bytes]) -> list[BlockHash]:

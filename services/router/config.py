@@ -61,7 +61,16 @@ class RouterConfig:
     api_keys_file: str = ""
     """JSON file of API keys (hashed) and their limits; `epd admin keys create` adds to it."""
     redis_url: str = ""
-    """Redis for API keys and per-key limits shared by several routers (epd up --redis)."""
+    """Redis for API keys and per-key limits shared by several routers (epd up --redis). While it
+    is down, keys this router has seen keep working and unseen keys get 503."""
+    key_cache_ttl_s: float = 5.0
+    """With Redis: how long a key's record read from Redis is trusted before it is read again
+    (a revoke reaches every router within this), and how often the router asks whether any key
+    exists while none does."""
+    limits_on_redis_failure: str = "fail-open"
+    """What per-key limits do while Redis cannot answer: fail-open admits, each router enforcing
+    the limits on its own (best effort); fail-closed answers 503 with Retry-After to keys that
+    have limits."""
     rpm: int = 0
     """Requests per minute per API key, for keys without their own limit; 0: unlimited."""
     tpm: int = 0
@@ -94,5 +103,8 @@ class RouterConfig:
         for field in ("rpm", "tpm", "max_concurrency"):
             check(getattr(self, field) >= 0, field, "must be >= 0 (0: unlimited)")
         check(self.max_body_bytes > 0, "max_body_bytes", "must be > 0")
+        check(self.key_cache_ttl_s > 0, "key_cache_ttl_s", "must be > 0")
+        check(self.limits_on_redis_failure in ("fail-open", "fail-closed"), "limits_on_redis_failure",
+              "must be fail-open or fail-closed")
         check(not (self.api_keys_file and self.redis_url), "api_keys_file",
               "is a second key store next to --redis-url / EPD_ROUTER_REDIS_URL: choose one")

@@ -4,9 +4,11 @@ A pure ASGI middleware (streaming responses and disconnects pass through untouch
 path but /health and /metrics (the generation paths, /v1/models, any route added later). Life of a
 gated request::
 
-    key (Authorization: Bearer KEY, or x-api-key: KEY)  -- none / unknown: 401, revoked: 403
+    key (Authorization: Bearer KEY, or x-api-key: KEY)  -- none / unknown: 401, revoked: 403,
+                                                             cannot be verified (Redis down): 503
     Content-Length over max_body_bytes                    -- 413
-    limiter.acquire(key, limits)                          -- over rpm / tpm / concurrency: 429 + Retry-After
+    limiter.acquire(key, limits)                          -- over rpm / tpm / concurrency: 429 + Retry-After;
+                                                             Redis down and fail-closed: 503 + Retry-After
     read the body, counting bytes (chunked bodies too)    -- over max_body_bytes: 413
     scope["state"]["epd_tenant"] = tenant; run the app (its lease renewed meanwhile)
     finally: limiter.release(lease, scope["state"]["epd_num_tokens"])   (the route sets it)
@@ -15,6 +17,11 @@ The release runs however the app ends (done, client gone, exception, cancelled),
 concurrency slot leaks. Errors are the path's own protocol's body (OpenAI, or Anthropic under
 /v1/messages). While the key store holds no key at all the gate is either open (loopback, or
 ``--allow-unauthenticated``) or closed to everyone; the first key created turns checking on.
+
+With Redis the keys are read through ``key_cache.CachedKeyStore`` (no Redis call per request
+while no key exists; keys seen before keep working while Redis is down) and the limits through
+``redis_access.DegradingLimiter`` (``--limits-on-redis-failure``: fail-open admits under this
+router's own buckets, fail-closed answers 503).
 """
 
 from __future__ import annotations
@@ -44,9 +51,13 @@ API_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses
 """Named in the refusals metric; any other path counts as "other" (scanners must not grow labels)."""
 REFUSALS = metrics.counter(
     "epd_router_gate_refusals", "Requests the gate turned away, by endpoint and reason (missing_key, "
-    "unknown_key, revoked_key, rpm, tpm, max_concurrency, body_too_large, key_store_unavailable)",
+    "unknown_key, revoked_key, rpm, tpm, max_concurrency, body_too_large, key_store_unavailable, "
+    "limits_unavailable)",
     ["endpoint", "reason"])
 _ASK_FOR_KEY = ((b"www-authenticate", b"Bearer"),)
+UNAVAILABLE_RETRY_AFTER_S = 1
+"""What a 503 for Redis being down tells the client to wait: the first probe comes about then."""
+_RETRY_SOON = ((b"retry-after", str(UNAVAILABLE_RETRY_AFTER_S).encode()),)
 
 
 @dataclass(frozen=True)
@@ -121,8 +132,8 @@ class GateMiddleware:
             return
         try:
             admitted = await self._admit(dict(scope["headers"]))
-        except EPDError as exc:  # the key store (Redis) is down: closed, not open
-            admitted = Denial(exc.http_status, "key_store_unavailable", str(exc))
+        except EPDError as exc:  # the key store (Redis) is down and this key unknown here: closed, not open
+            admitted = Denial(exc.http_status, "key_store_unavailable", str(exc), headers=_RETRY_SOON)
         if isinstance(admitted, Denial):
             await _deny(send, scope["path"], admitted)
             return
@@ -148,7 +159,10 @@ class GateMiddleware:
             return _too_large(f"has {declared} bytes (Content-Length)", gate.max_body_bytes)
         if key is None or (limits := key.limits(gate.default_limits)).is_unlimited:
             return key, None
-        acquired = await gate.limiter.acquire(key.sha256, limits)
+        try:
+            acquired = await gate.limiter.acquire(key.sha256, limits)
+        except EPDError as exc:  # Redis down and --limits-on-redis-failure fail-closed
+            return Denial(503, "limits_unavailable", f"{exc}; retry shortly", headers=_RETRY_SOON)
         if isinstance(acquired, Refusal):
             return Denial(429, acquired.limit, acquired.message(limits), "rate_limit_exceeded",
                           ((b"retry-after", str(acquired.retry_after_s).encode()),))
@@ -263,11 +277,14 @@ def open_without_keys(host: str, has_keys: bool, has_store: bool, allow_unauthen
 async def build_gate(config: RouterConfig) -> Gate:
     """The gate the config asks for; keys from --api-keys are added to the store first."""
     if config.redis_url:
-        import redis.asyncio
-
-        from services.router.redis_access import RedisKeyStore, RedisLimiter, redacted
-        client = redis.asyncio.Redis.from_url(config.redis_url)
-        store, limiter = RedisKeyStore(client, where=f"Redis {redacted(config.redis_url)}"), RedisLimiter(client)
+        from services.common.redis_link import RedisHealth, async_client
+        from services.router.key_cache import CachedKeyStore
+        from services.router.redis_access import DegradingLimiter, RedisKeyStore, RedisLimiter, redacted
+        client, health = async_client(config.redis_url), RedisHealth("router")
+        store = CachedKeyStore(RedisKeyStore(client, where=f"Redis {redacted(config.redis_url)}", health=health),
+                               ttl_s=config.key_cache_ttl_s)
+        limiter = DegradingLimiter(RedisLimiter(client, health=health),
+                                   fail_open=config.limits_on_redis_failure == "fail-open")
     else:
         try:
             store, limiter = FileKeyStore(config.api_keys_file or None), LocalLimiter()

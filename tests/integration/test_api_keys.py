@@ -1,6 +1,7 @@
 """API keys on a live cluster: two real routers sharing one real Redis enforce one limit between
-them, a key given to ``epd up``, or created or revoked through one router's admin API, counts on
-the other at once, and the official SDKs see their own authentication errors."""
+them, a key given to ``epd up``, or created through one router's admin API, counts on the other
+at once (a revoke within the routers' key cache TTL), and the official SDKs see their own
+authentication errors."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from tests.cluster import running_cluster
 TOKEN = "test-admin-token"
 SEEDED_KEY = "epd-given-to-epd-up"
 CHAT = {"model": "tiny-chat0", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+KEY_CACHE_TTL_S = 1.0
+"""How long a router trusts a key it read from Redis (--key-cache-ttl-s): a revoke lands within it."""
 
 
 def start_router(prefill: str, decode: str, redis_url: str) -> tuple[subprocess.Popen, str]:
@@ -45,17 +48,28 @@ def start_router(prefill: str, decode: str, redis_url: str) -> tuple[subprocess.
 def routers(tiny_chat_model_dir, redis_url):
     """(first router's URL, second router's URL, admin URL of the first): one cluster, two routers."""
     redis.Redis.from_url(redis_url).flushdb()
-    with running_cluster(str(tiny_chat_model_dir), encoders=0, prefills=1, decodes=1, kv_cache_gib=0.05,
-                         max_num_batched_tokens=64, device="cpu", kvstores=0, redis=redis_url,
-                         admin_token=TOKEN, api_key=(f"seeded:{SEEDED_KEY}",)) as running:
-        assert running.cluster.needs_keys  # what the banner reports, asked of the router
-        second, second_url = start_router(running.addresses("prefill")[0], running.addresses("decode")[0], redis_url)
-        try:
-            yield running.url, second_url, f"http://127.0.0.1:{running.cluster.config.admin_port}"
-        finally:
-            second.terminate()
-            second.wait(30)
-            redis.Redis.from_url(redis_url).flushdb()  # keys left behind would close later tests' clusters
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("EPD_ROUTER_KEY_CACHE_TTL_S", str(KEY_CACHE_TTL_S))  # both routers inherit it
+        with running_cluster(str(tiny_chat_model_dir), encoders=0, prefills=1, decodes=1, kv_cache_gib=0.05,
+                             max_num_batched_tokens=64, device="cpu", kvstores=0, redis=redis_url,
+                             admin_token=TOKEN, api_key=(f"seeded:{SEEDED_KEY}",)) as running:
+            assert running.cluster.needs_keys  # what the banner reports, asked of the router
+            second, second_url = start_router(running.addresses("prefill")[0], running.addresses("decode")[0],
+                                              redis_url)
+            try:
+                yield running.url, second_url, f"http://127.0.0.1:{running.cluster.config.admin_port}"
+            finally:
+                second.terminate()
+                second.wait(30)
+                redis.Redis.from_url(redis_url).flushdb()  # keys left behind would close later tests' clusters
+
+
+def refused_once_the_cache_expires(url: str, key: str) -> int:
+    """The status a revoked key gets from a router that may still hold it in its key cache."""
+    deadline = time.monotonic() + KEY_CACHE_TTL_S + 10  # generous: the TTL, plus a loaded machine
+    while (status := chat(url, key).status_code) not in (401, 403) and time.monotonic() < deadline:
+        time.sleep(0.1)  # waiting out the cache's TTL: no event to wait on
+    return status
 
 
 def create_key(admin_url: str, **body) -> dict:
@@ -86,7 +100,7 @@ def test_two_routers_share_keys_and_one_limit(routers):
     revoked = httpx.post(f"{admin_url}/admin/keys/{limited['id']}/revoke",
                          headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
     assert revoked.status_code == 200 and revoked.json()["revoked"]
-    assert chat(second, limited["key"]).status_code == 403  # revoked on one router, refused on the other
+    assert refused_once_the_cache_expires(second, limited["key"]) == 403  # revoked on one, refused on the other
 
 
 def test_the_sdks_see_authentication_errors(routers):
@@ -120,6 +134,7 @@ def test_the_sdks_see_every_refusal_in_their_own_format(routers):
         assert info.value.body["error"]["type"] == "rate_limit_error"
     httpx.post(f"{admin_url}/admin/keys/{limited['id']}/revoke", headers={"Authorization": f"Bearer {TOKEN}"},
                timeout=10).raise_for_status()
+    assert refused_once_the_cache_expires(second, limited["key"]) == 403
     with openai.OpenAI(base_url=f"{second}/v1", api_key=limited["key"], max_retries=0, timeout=60) as client:
         with pytest.raises(openai.PermissionDeniedError):
             client.chat.completions.create(**CHAT)

@@ -9,10 +9,30 @@ import random
 import pytest
 
 from kvstore.index import EmbeddedIndex
+from kvstore.mirrored_index import MirroredIndex
 from kvstore.retention import DAY_S, Retention
 from tests.factories import ManualClock
+from tests.unit.kvstore.mirror_fakes import FakeMirror
 
 _prefixes = itertools.count()
+
+
+class FlushingIndex(MirroredIndex):
+    """Publishes after every change, and checks that the mirror then holds what the index does."""
+
+    def insert(self, block_hash, ttl_s, expires_at=None):
+        evicted = super().insert(block_hash, ttl_s, expires_at)
+        self._flush_and_compare()
+        return evicted
+
+    def remove(self, block_hash):
+        is_removed = super().remove(block_hash)
+        self._flush_and_compare()
+        return is_removed
+
+    def _flush_and_compare(self) -> None:
+        self.flush()
+        assert self.mirror.blocks == {h: (e.expires_at, e.ttl_s) for h, e in self.local.items()}
 
 
 @pytest.fixture
@@ -20,11 +40,15 @@ def clock():
     return ManualClock()
 
 
-@pytest.fixture(params=["embedded", "redis"])
+@pytest.fixture(params=["embedded", "redis", "mirrored"])
 def make_index(request):
-    """Builds an index of either kind; Redis ones get a fresh key prefix each."""
+    """Builds an index of each kind; Redis ones get a fresh key prefix each. A mirrored one (a
+    store node's with Redis) decides with its embedded index and publishes after every call."""
     if request.param == "embedded":
         yield EmbeddedIndex
+        return
+    if request.param == "mirrored":
+        yield lambda capacity, clock: FlushingIndex(EmbeddedIndex(capacity, clock), FakeMirror())
         return
     import redis
 

@@ -1,5 +1,6 @@
 """For the gate's tests: a clock the test moves, ASGI calls the test drives message by message,
-and a tiny app behind the gate that records what reached it."""
+a tiny app behind the gate that records what reached it, and a key store and a limiter that go
+down like Redis does."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from services.common.errors import UnavailableError
+from services.router.auth import ApiKey, FileKeyStore
 from services.router.gate import Gate
+from services.router.limits import Lease, Limits, LocalLimiter, Refusal
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
                     "/v1/messages/count_tokens")
@@ -162,3 +166,53 @@ class RedisBacked:
                 for client in self.clients:
                     await client.aclose()
         asyncio.run(body())
+
+
+class FlakyKeyStore(FileKeyStore):
+    """Keys in memory standing in for Redis: counts what it is asked; ``is_down`` makes every
+    call fail the way RedisKeyStore's do."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.is_down = False
+        self.calls: dict[str, int] = {}
+
+    def _ask(self, what: str) -> None:
+        self.calls[what] = self.calls.get(what, 0) + 1
+        if self.is_down:
+            raise UnavailableError("the API key store (Redis) is unavailable: connection refused (test)")
+
+    async def find(self, sha256: str) -> ApiKey | None:
+        self._ask("find")
+        return await super().find(sha256)
+
+    async def has_keys(self) -> bool:
+        self._ask("has_keys")
+        return await super().has_keys()
+
+
+class FlakyLimiter(LocalLimiter):
+    """LocalLimiter's rules standing in for the Redis limiter, with leases to renew and an outage
+    switch; ``calls`` counts what was asked of it while down."""
+
+    def __init__(self, clock, renew_every_s: float | None = None) -> None:
+        super().__init__(clock)
+        self.renew_every_s = renew_every_s
+        self.is_down = False
+        self.failed: dict[str, int] = {}
+
+    def _ask(self, what: str) -> None:
+        if self.is_down:
+            self.failed[what] = self.failed.get(what, 0) + 1
+            raise UnavailableError("the per-key limits store (Redis) is unavailable: connection refused (test)")
+
+    async def acquire(self, key_id: str, limits: Limits) -> Lease | Refusal:
+        self._ask("acquire")
+        return await super().acquire(key_id, limits)
+
+    async def release(self, lease: Lease, num_tokens: int) -> None:
+        self._ask("release")
+        await super().release(lease, num_tokens)
+
+    async def renew(self, lease: Lease) -> None:
+        self._ask("renew")

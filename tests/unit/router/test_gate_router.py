@@ -167,10 +167,14 @@ def test_configured_keys_are_seeded_and_bad_ones_are_not_echoed():
 
 
 def test_redis_holds_the_keys_when_configured(redis_url):
-    from services.router.redis_access import RedisKeyStore, RedisLimiter, redacted
+    from services.router.key_cache import CachedKeyStore
+    from services.router.redis_access import DegradingLimiter, RedisKeyStore, RedisLimiter, redacted
 
     gate = build(host="0.0.0.0", redis_url=redis_url)
-    assert isinstance(gate.store, RedisKeyStore) and isinstance(gate.limiter, RedisLimiter)
+    assert isinstance(gate.store, CachedKeyStore) and isinstance(gate.store.store, RedisKeyStore)
+    assert isinstance(gate.limiter, DegradingLimiter) and isinstance(gate.limiter.shared, RedisLimiter)
+    assert gate.limiter.fail_open and gate.limiter.shared.health is gate.store.store.health
+    assert not build(redis_url=redis_url, limits_on_redis_failure="fail-closed").limiter.fail_open
     assert redacted("redis://user:secret@db.example:6380/2") == "redis://db.example:6380/2"
     with pytest.raises(ConfigError, match="--redis-url / EPD_ROUTER_REDIS_URL: the API key store"):
         build(redis_url=redis_url.replace("127.0.0.1", "user:secret@127.0.0.1"))
