@@ -13,6 +13,10 @@ from services.common.errors import InvalidRequestError
 
 
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "structural_tag")
+INT32_MAX = 2**31 - 1
+"""The wire's (proto/common.proto) int32 fields: top_k, max_tokens, min_tokens, stop_token_ids."""
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+"""The wire's seed."""
 
 
 @dataclass(frozen=True)
@@ -99,23 +103,27 @@ class SamplingParams:
             raise bad("top_p", "must be in (0, 1]")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "must be a non-negative integer (0 or -1 disables)")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= INT32_MAX:
+            raise bad("top_k", f"must be an integer in [0, {INT32_MAX}] (0 or -1 disables)")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise bad(name, "must be in [-2, 2]")
         if self.repetition_penalty <= 0:
             raise bad("repetition_penalty", "must be > 0 (1 disables)")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise bad("max_tokens", "must be an integer >= 1")
+        max_tokens = self.max_tokens
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= INT32_MAX:
+            raise bad("max_tokens", f"must be an integer in [1, {INT32_MAX}]")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", "must be an integer in [0, max_tokens]")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad("seed", "must be an integer or None")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise bad("seed", f"must be an integer in [{INT64_MIN}, {INT64_MAX}] or None")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20] or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty strings")
+        if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"token ids must be integers in [0, {INT32_MAX}]")
 
     @property
     def is_greedy(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import cached_property
@@ -20,24 +21,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
 from services.common.errors import InvalidRequestError
+from services.common.token_bound import TokenBound, byte_level_alphabet
 
 _REPLACEMENT_CHAR = "\ufffd"
 # The special-token variables transformers hands every chat template.
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 _MAX_UTF8_BYTES = 4
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level BPE spells each byte as one printable character; this maps them back."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return {c: b for b, c in chars.items()}
+_BOUND_LOCK = threading.Lock()
+"""Held while a tokenizer builds its token bound (once, on first use)."""
 
 
 def _token_content(token) -> str | None:
@@ -87,6 +79,7 @@ class Tokenizer:
         if (eos_id := self._id_of(self.eos_token)) is not None:
             ids.append(eos_id)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
+        self._bound_state: tuple[TokenBound | None] | None = None
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, tokenizer_config: dict | None = None, **kwargs) -> "Tokenizer":
@@ -120,12 +113,28 @@ class Tokenizer:
         """
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    @property
+    def _token_bound(self) -> TokenBound | None:
+        # Built on first use (the router's), once: concurrent first requests wait for it.
+        if self._bound_state is None:
+            with _BOUND_LOCK:
+                if self._bound_state is None:
+                    self._bound_state = (TokenBound.of(self.backend),)
+        return self._bound_state[0]
+
+    def min_num_tokens(self, text: str, enough: int | None = None) -> int:
+        """A lower bound on ``len(self.encode(text))`` that costs far less than encoding: a prompt
+        that cannot fit is refused without tokenizing it (token_bound.py). 0 for a tokenizer whose
+        pipeline allows no such bound. Once the bound reaches ``enough`` it is not refined."""
+        bound = self._token_bound
+        return 0 if bound is None else bound.min_tokens(text, enough)
+
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     @cached_property
     def _byte_alphabet(self) -> dict[str, int] | None:
-        return _byte_level_alphabet() if type(self.backend.decoder).__name__ == "ByteLevel" else None
+        return byte_level_alphabet() if type(self.backend.decoder).__name__ == "ByteLevel" else None
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a token may hold part of a UTF-8 character), as OpenAI's

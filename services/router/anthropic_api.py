@@ -21,7 +21,8 @@ Supported (``POST /v1/messages`` and ``POST /v1/messages/count_tokens``):
   matched ``stop_sequence``. ``usage.cache_read_input_tokens`` are the prompt tokens served from the KV
   cache; ``cache_creation_input_tokens`` is always 0 (caching is automatic, never billed apart).
 * count_tokens answers ``{"input_tokens": N}``: the templated prompt's tokens, one per image
-  (the encoder side widens each image later).
+  (the encoder side widens each image later); a prompt whose length alone shows it cannot fit the
+  context is a 400 ("the prompt is at least N tokens"), as on /v1/messages, without tokenizing it.
 
 Not supported yet, a 400 that says so: other block types (``document``, ``thinking``, ...), server
 tools (``web_search``, ...) and an enabled ``thinking``.
@@ -41,9 +42,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.router import openai_api as api
 from services.router import structured
 from services.router.backend import Backend, GenerateRequest
+from services.router.body_checks import MAX_STOP_STRINGS, check_ranges
 from services.router.openai_api import OutputText, Prompt, invalid
 from services.router.openai_models import (ChatMessage, ContentPart, FunctionCall, ImageURL, MessageToolCall,
-                                           SamplingFields)
+                                           RequestBody, SamplingFields)
 from services.router.tools import CallStart, StreamEvent, TextPiece, ToolPlan, ToolStream, anthropic_plan
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -85,7 +87,7 @@ class AnthropicMessage(_Body):
     content: str | list[ContentBlock]
 
 
-class CountTokensRequest(_Body):
+class CountTokensRequest(RequestBody):
     model: str
     messages: list[AnthropicMessage]
     system: str | list[ContentBlock] | None = None
@@ -188,7 +190,7 @@ def prompt(body: CountTokensRequest, backend: Backend, model_names: list[str]) -
     _check_supported(body)
     messages = chat_messages(body, backend.image_token_id)
     return api.chat_prompt(messages, backend.tokenizer, backend.image_token_id,
-                           anthropic_plan(body.tools, body.tool_choice))
+                           anthropic_plan(body.tools, body.tool_choice), backend.max_model_len)
 
 
 def messages_request(body: MessagesRequest, backend: Backend, model_names: list[str]) -> tuple[GenerateRequest, MessagesFormat]:
@@ -196,6 +198,10 @@ def messages_request(body: MessagesRequest, backend: Backend, model_names: list[
     fields = SamplingFields(model=body.model, stream=body.stream, max_tokens=body.max_tokens,
                             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                             stop=body.stop_sequences, cache_salt=body.cache_salt, kv_retention=body.kv_retention)
+    if body.stop_sequences is not None and len(body.stop_sequences) > MAX_STOP_STRINGS:
+        raise invalid(f"stop_sequences has {len(body.stop_sequences)} strings; at most {MAX_STOP_STRINGS} "
+                      f"are accepted", "stop_sequences")
+    check_ranges(fields)  # before the prompt is built: cheap checks first
     checked = prompt(body, backend, model_names)
     tools = anthropic_plan(body.tools, body.tool_choice)
     params = api.sampling_params(fields, len(checked.token_ids), backend.max_model_len, "messages",

@@ -13,6 +13,8 @@ from services.router import openai_api as api
 logger = logging.getLogger("services.router.http")
 
 ErrorBody = Callable[..., dict]
+MAX_NAMED_ERRORS = 10
+"""Bad fields named in one validation error message; the rest are counted."""
 
 
 def error_of(exc: BaseException, error_body: ErrorBody = api.error_body) -> tuple[int, dict]:
@@ -35,7 +37,14 @@ def describe_validation_errors(errors: list[dict]) -> tuple[str, str | None]:
     """One message naming each bad field; pydantic's union-branch tags are folded into
     "expected A or B" so the client sees its own field names only."""
     groups: dict[str, list[tuple[list, int, dict]]] = {}
-    for error in errors:
+    num_unnamed = 0
+    for i, error in enumerate(errors):
+        if len(groups) > MAX_NAMED_ERRORS:  # a body of 50,000 bad items gets a short answer, fast
+            num_unnamed = len(errors) - i
+            break
+        refusal = (error.get("ctx") or {}).get("error")
+        if isinstance(refusal, EPDError):  # a body check (body_checks.py) raised it inside pydantic
+            return str(refusal), getattr(refusal, "param", None)
         loc = list(error["loc"])[1:] if error["loc"][:1] == ("body",) else list(error["loc"])
         if error["type"] == "json_invalid":
             reason = (error.get("ctx") or {}).get("error", "")
@@ -57,6 +66,8 @@ def describe_validation_errors(errors: list[dict]) -> tuple[str, str | None]:
         else:
             messages.append(f"{path}: {error['msg']}")
     first = next(iter(groups), None)
+    if num_unnamed:
+        messages.append(f"and {num_unnamed} more errors")
     return "; ".join(messages), first or None
 
 

@@ -36,6 +36,7 @@ from services.router import anthropic_api, responses_api, structured
 from services.router import openai_api as api
 from services.router.anthropic_api import CountTokensRequest, MessagesRequest
 from services.router.backend import Backend, GenerateRequest
+from services.router.body_checks import CheckedRoute
 from services.router.errors import describe_validation_errors, error_body_for, error_of
 from services.router.gate import Gate
 from services.router.generation import (CLIENT_CLOSED_STATUS, PROMPT_TOKENS, REQUESTS, ClientGone,
@@ -79,7 +80,8 @@ class Routes:
         constraint = structured.pick(("tools", tools and tools.structured()),
                                      ("response_format", structured.from_response_format(body.response_format)),
                                      ("structured_outputs", structured.from_extension(body.structured_outputs)))
-        prompt = api.chat_prompt(body.messages, self.backend.tokenizer, self.backend.image_token_id, tools)
+        prompt = api.chat_prompt(body.messages, self.backend.tokenizer, self.backend.image_token_id, tools,
+                                 self.backend.max_model_len)
         params = api.sampling_params(body, len(prompt.token_ids), self.backend.max_model_len, "messages",
                                      api.num_logprobs(body), constraint)
         request = api.generate_request(f"chatcmpl-{uuid.uuid4().hex}", prompt, params, body, "chat")
@@ -91,7 +93,7 @@ class Routes:
         api.requested_max_tokens(body)
         constraint = structured.pick(("response_format", structured.from_response_format(body.response_format)),
                                      ("structured_outputs", structured.from_extension(body.structured_outputs)))
-        prompt = api.completion_prompt(body.prompt, self.backend.tokenizer)
+        prompt = api.completion_prompt(body.prompt, self.backend.tokenizer, self.backend.max_model_len)
         params = api.sampling_params(body, len(prompt.token_ids), self.backend.max_model_len, "prompt",
                                      api.num_logprobs(body), constraint)
         request = api.generate_request(f"cmpl-{uuid.uuid4().hex}", prompt, params, body, "agent")
@@ -178,6 +180,7 @@ def create_app(backend: Backend, served_model_names: list[str] | None = None, ga
     app = FastAPI(title="epd router", summary="OpenAI- and Anthropic-compatible front door of the epd cluster",
                   middleware=[] if gate is None else [gate.middleware()])
     routes = Routes(backend, served_model_names)
+    app.router.route_class = CheckedRoute  # bodies are counted before FastAPI parses them
     app.add_api_route("/v1/chat/completions", routes.chat, methods=["POST"], response_model=None)
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)
     app.add_api_route("/v1/responses", routes.responses, methods=["POST"], response_model=None)

@@ -37,7 +37,11 @@ non-empty ``logit_bias``. Fields the API does not define are ignored.
 Errors use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``: 400 for any bad
 input (malformed JSON and schema errors included, with the field named), 404 for an unknown model,
 503 when the backend aborts a request, 500 for bugs. A prompt that does not fit the context is a
-400 with code ``context_length_exceeded`` that gives the numbers.
+400 with code ``context_length_exceeded`` that gives the numbers; one whose length alone shows it
+cannot fit is refused before it is tokenized ("the prompt is at least N tokens": no token spans
+more than the vocabulary's longest entry, services/common/token_bound.py). Integers are checked
+against the wire's int32 / int64 and strings for lone surrogates before any work
+(services/router/body_checks.py).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from services.common.sampling_params import SamplingParams, StructuredOutput, To
 from services.common.text import TextState
 from services.common.tokenizer import Tokenizer
 from services.router.backend import GenerateChunk, GenerateRequest
+from services.router.body_checks import check_ranges
 from services.router.openai_models import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                            SamplingFields, usage_body)
 from services.router.tools import ToolPlan, render_call, render_result
@@ -89,6 +94,7 @@ def _reject_unsupported(body: SamplingFields) -> None:
         raise invalid(f"n={body.n} is invalid: must be in [1, {MAX_CHOICES}]", "n")
     if body.logit_bias:
         raise invalid("logit_bias is not supported yet", "logit_bias")
+    check_ranges(body)
 
 
 def num_logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
@@ -120,6 +126,27 @@ def check_completion_supported(body: CompletionRequest) -> None:
         raise invalid("suffix is not supported yet", "suffix")
     if body.best_of is not None and body.best_of != 1:
         raise invalid(f"best_of={body.best_of} is not supported yet: only 1", "best_of")
+
+
+def prompt_too_long(num_tokens: int, max_model_len: int, param: str,
+                    is_lower_bound: bool = False) -> PromptTooLongError:
+    at_least = "at least " if is_lower_bound else ""
+    return invalid(f"the prompt is {at_least}{num_tokens} tokens, but this model's context is {max_model_len} "
+                   f"tokens and at least one must be left for the output", param, "context_length_exceeded",
+                   PromptTooLongError)
+
+
+def check_fits(tokenizer: Tokenizer, texts: list[str], num_other_tokens: int, max_model_len: int | None,
+               param: str) -> None:
+    """Refuse texts that cannot fit the context before tokenizing them: their lower bound costs a
+    pass over the text, while encoding costs ~1 s and ~150 MB per MB of text (STYLE rule 17)."""
+    if max_model_len is None:
+        return
+    bound = num_other_tokens
+    for text in texts:
+        bound += tokenizer.min_num_tokens(text, enough=max_model_len - bound)
+        if bound >= max_model_len:
+            raise prompt_too_long(bound, max_model_len, param, is_lower_bound=True)
 
 
 @dataclass(frozen=True)
@@ -186,7 +213,9 @@ def _render_tools(rendered: list[dict], messages: list[ChatMessage], tools: Tool
 
 
 def chat_prompt(messages: list[ChatMessage], tokenizer: Tokenizer, image_token_id: int | None,
-                tools: ToolPlan | None = None) -> Prompt:
+                tools: ToolPlan | None = None, max_model_len: int | None = None, param: str = "messages") -> Prompt:
+    """The templated conversation's token ids; with ``max_model_len``, a conversation that cannot
+    fit is refused (``param`` names the field) before it is tokenized."""
     if not messages:
         raise invalid("messages must not be empty", "messages")
     # A fresh random marker per request, so no user text can pose as an image.
@@ -210,6 +239,7 @@ def chat_prompt(messages: list[ChatMessage], tokenizer: Tokenizer, image_token_i
     pieces = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **extra).split(marker)
     if len(pieces) != len(images) + 1:
         raise invalid(f"the chat template rendered {len(pieces) - 1} of the {len(images)} images", "messages")
+    check_fits(tokenizer, pieces, len(images), max_model_len, param)
     token_ids: list[int] = []
     positions: list[int] = []
     for k, piece in enumerate(pieces):
@@ -223,15 +253,20 @@ def chat_prompt(messages: list[ChatMessage], tokenizer: Tokenizer, image_token_i
     return Prompt(tuple(token_ids), tuple(images), tuple(positions))
 
 
-def completion_prompt(prompt: str | list, tokenizer: Tokenizer) -> Prompt:
+def completion_prompt(prompt: str | list, tokenizer: Tokenizer, max_model_len: int | None = None) -> Prompt:
+    """The prompt's token ids; with ``max_model_len``, one that cannot fit is refused before it is
+    tokenized (or its ids scanned)."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             raise invalid(f"{len(prompt)} prompts in one request are not supported yet: send one "
                           f"prompt per request", "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        check_fits(tokenizer, [prompt], 0, max_model_len, "prompt")
         token_ids = tokenizer.encode(prompt, add_special_tokens=True)
     else:
+        if max_model_len is not None and len(prompt) >= max_model_len:
+            raise prompt_too_long(len(prompt), max_model_len, "prompt")
         bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
         if bad:
             raise invalid(f"prompt token ids {bad[:5]} are outside the vocabulary "
@@ -256,10 +291,9 @@ def sampling_params(body: SamplingFields, num_prompt_tokens: int, max_model_len:
                     prompt_param: str, logprobs: int | None = None,
                     structured: StructuredOutput | None = None) -> SamplingParams:
     max_tokens, max_tokens_param = requested_max_tokens(body)
+    check_ranges(body)
     if num_prompt_tokens >= max_model_len:
-        raise invalid(f"the prompt is {num_prompt_tokens} tokens, but this model's context is "
-                      f"{max_model_len} tokens and at least one must be left for the output",
-                      prompt_param, "context_length_exceeded", PromptTooLongError)
+        raise prompt_too_long(num_prompt_tokens, max_model_len, prompt_param)
     room = max_model_len - num_prompt_tokens
     if max_tokens is not None and max_tokens > room:
         raise invalid(f"{max_tokens_param}={max_tokens} plus the prompt's {num_prompt_tokens} tokens "

@@ -10,11 +10,23 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from services.router.body_checks import check_json_text
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class RequestBody(_Body):
+    """A whole request body: its depth and its strings' Unicode are checked (body_checks.py)
+    before any field is validated."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_json(cls, data: Any) -> Any:
+        return check_json_text(data)
 
 
 class StreamOptions(_Body):
@@ -130,7 +142,7 @@ class SamplingFields(_Body):
     """vLLM extension: regex, EBNF grammar, JSON schema or choice."""
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, RequestBody):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     """Wins over max_tokens when both are given."""
@@ -150,7 +162,7 @@ class ChatCompletionRequest(SamplingFields):
     """Deprecated by OpenAI; not supported: only null or "none"."""
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, RequestBody):
     prompt: str | list[int] | list[str] | list[list[int]]
     """A string or a list of token ids (a list holding exactly one of either is accepted too)."""
     echo: bool = False

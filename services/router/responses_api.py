@@ -42,8 +42,10 @@ from services.common.sampling_params import SamplingParams
 from services.router import openai_api as api
 from services.router import structured
 from services.router.backend import Backend, GenerateRequest
+from services.router.body_checks import check_ranges
 from services.router.openai_api import invalid
-from services.router.openai_models import ChatMessage, ContentPart, FunctionCall, MessageToolCall, SamplingFields
+from services.router.openai_models import (ChatMessage, ContentPart, FunctionCall, MessageToolCall, RequestBody,
+                                           SamplingFields)
 from services.router.responses_format import ResponsesFormat
 from services.router.tools import ToolPlan, responses_plan
 
@@ -74,7 +76,7 @@ class InputItem(_Body):
     output: str | None = None
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(RequestBody):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
@@ -185,8 +187,10 @@ def build(body: ResponsesRequest, backend: Backend,
     fields = SamplingFields(model=body.model, stream=body.stream, max_tokens=body.max_output_tokens,
                             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
                             cache_salt=body.cache_salt, kv_retention=body.kv_retention)
+    check_ranges(fields)  # before the prompt is built: cheap checks first
     tools = responses_plan(body.tools, body.tool_choice)
-    prompt = api.chat_prompt(chat_messages(body), backend.tokenizer, backend.image_token_id, tools)
+    prompt = api.chat_prompt(chat_messages(body), backend.tokenizer, backend.image_token_id, tools,
+                             backend.max_model_len, "input")
     params = _sampling_params(fields, len(prompt.token_ids), backend.max_model_len, (body.text or {}).get("format"),
                               tools)
     request = api.generate_request(f"resp_{uuid.uuid4().hex}", prompt, params, fields, "chat")

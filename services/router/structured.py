@@ -11,15 +11,13 @@ import re
 from services.common.errors import InvalidRequestError, invalid
 from services.common.sampling_params import StructuredOutput
 from services.common.structured import check_structured
+from services.router.body_checks import parse_json_text
 from services.router.openai_models import StructuredOutputs
 
 
 def _schema_text(schema, param: str) -> str:
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise invalid(f"{param} is not valid JSON: {exc}", param) from None
+        schema = parse_json_text(schema, param)
     if not isinstance(schema, dict):
         raise invalid(f"{param} must be a JSON schema object", param)
     return json.dumps(schema)

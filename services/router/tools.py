@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from services.common.errors import invalid
 from services.common.sampling_params import StructuredOutput
+from services.router.body_checks import parse_json_text
 
 BEGIN, END = "<tool_call>", "</tool_call>"
 
@@ -111,7 +112,7 @@ class ToolPlan:
         if self.is_forced:
             try:
                 call = json.loads(text)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 return text, []
             return "", [ToolCall(new_call_id(id_prefix), call["name"], call["arguments"])]
         calls: list[ToolCall] = []
@@ -120,7 +121,7 @@ class ToolPlan:
             try:
                 call = json.loads(rest[start + len(BEGIN):end])
                 calls.append(ToolCall(new_call_id(id_prefix), call["name"], call["arguments"]))
-            except (json.JSONDecodeError, KeyError, TypeError):
+            except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
                 return text, []
             rest = rest[end + len(END):]
         if not calls:
@@ -247,10 +248,8 @@ class ToolStream:
 def render_call(name: str, arguments: dict | str) -> str:
     """An earlier call of the conversation, as the model would have written it."""
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments or "{}")
-        except json.JSONDecodeError:
-            raise invalid(f"the arguments of the earlier call to {name!r} are not valid JSON", "messages") from None
+        arguments = parse_json_text(arguments or "{}", "messages",
+                                    f"the arguments text of the earlier call to {name!r}")
     return f"{BEGIN}{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}{END}"
 
 

@@ -31,6 +31,10 @@ def test_is_frozen_and_hashable():
     ({"max_tokens": True}, "max_tokens"),
     ({"presence_penalty": 3.0}, "presence_penalty"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    # Past what the wire's int32 / int64 fields hold (the proto conversion would fail later).
+    ({"seed": 2**63}, "seed"), ({"seed": -2**63 - 1}, "seed"), ({"top_k": 2**31}, "top_k"),
+    ({"max_tokens": 2**31}, "max_tokens"), ({"stop_token_ids": [1, 2**31]}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
 ])
 def test_rejects_with_the_field_named(kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):

@@ -16,6 +16,9 @@ from services.common.sampling_params import SamplingParams
                    seed=2**40, stop=("END", "\n\n"), stop_token_ids=(7, 8), ignore_eos=True,
                    logprobs=5, skip_special_tokens=False),
     SamplingParams(temperature=0, seed=0, logprobs=0),
+    # The ends of what SamplingParams accepts fit the wire's types.
+    SamplingParams(seed=2**63 - 1, top_k=2**31 - 1, max_tokens=2**31 - 1, stop_token_ids=(2**31 - 1,)),
+    SamplingParams(seed=-2**63),
 ])
 def test_sampling_params_round_trip_exactly(params):
     # Doubles on the wire: 0.7 must stay 0.7, or seeded sampling would diverge.
