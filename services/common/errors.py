@@ -15,6 +15,7 @@ PromptTooLongError         400          INVALID_ARGUMENT     no
 ModelNotFoundError         404          NOT_FOUND            no
 UnavailableError           503          UNAVAILABLE          yes
 DeadlineExceededError      504          DEADLINE_EXCEEDED    no
+KVLoadError                500          INTERNAL             no
 =========================  ===========  ===================  =========
 """
 
@@ -73,3 +74,8 @@ class DeadlineExceededError(EPDError):
 
     http_status = 504
     grpc_status = "DEADLINE_EXCEEDED"
+
+
+class KVLoadError(EPDError):
+    """A request's KV could not be loaded and the instance is told to fail rather than recompute
+    it (``--kv-load-failure-policy fail``)."""

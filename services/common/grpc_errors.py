@@ -51,6 +51,12 @@ def error_from_rpc(exc: grpc.aio.AioRpcError) -> EPDError:
     return EPDError(f"{code.name}: {details}" if details else code.name)
 
 
+def is_raised_by_server(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether the server's own code ended the call with an EPDError (its class rides in the
+    trailing metadata), rather than the transport or the gRPC runtime (a dead peer, a reset)."""
+    return _metadata_value(exc.trailing_metadata(), ERROR_CLASS_KEY) is not None
+
+
 def _classes() -> tuple[dict[str, type[EPDError]], dict[str, type[EPDError]]]:
     """Every EPDError subclass by name, and the most general class for each status name.
 

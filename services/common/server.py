@@ -58,6 +58,13 @@ from services.common.wire import LoadReport, load_to_proto, model_info_to_proto
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
+"""Every client channel between epd services: big messages, and reconnects at most a second
+apart (gRPC's default back-off grows to two minutes: a peer restarted after a crash would be
+taken back seconds late)."""
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 _STOP_GRACE_S = 1.0
 """server.stop()'s grace once our own drain is done: time to flush the last responses."""

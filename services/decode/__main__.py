@@ -21,9 +21,10 @@ from services.engine.serving import EngineInstance, serve_instance
 async def run(config: DecodeConfig) -> int:
     instance = EngineInstance(config, "decode")
     releaser = LeaseReleaser()
-    worker = DecodeWorker(instance, releaser)
+    worker = DecodeWorker(instance, releaser, config.kv_load_failure_policy)
     try:
-        return await serve_instance(instance, config, worker, lambda server: add_to_server(server, worker),
+        return await serve_instance(instance, config, worker,
+                                    lambda server: add_to_server(server, worker, config.heartbeat_s),
                                     "epd.v1.Decode")
     finally:
         await releaser.close()

@@ -2,33 +2,78 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
 import grpc.aio
 
-from services.common.server import MAX_MESSAGE_BYTES, EngineRpcs
+from services.common.server import CHANNEL_OPTIONS, EngineRpcs
 from services.common.wire import kv_handle_from_proto, logprobs_to_proto, spec_from_proto, stop_reason_to_proto
 from services.decode.worker import DecodeInput, DecodeWorker
 from services.pb import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
+T = TypeVar("T")
+
 
 class DecodeServicer(EngineRpcs, decode_pb2_grpc.DecodeServicer):
-    def __init__(self, worker: DecodeWorker) -> None:
+    def __init__(self, worker: DecodeWorker, heartbeat_s: float = 1.0) -> None:
         self.worker = worker
+        self.heartbeat_s = heartbeat_s
 
     async def Generate(self, request, context):
         req = DecodeInput(
             spec=spec_from_proto(request.spec), output_token_ids=tuple(request.output_token_ids),
             kv=kv_handle_from_proto(request.kv) if request.HasField("kv") else None,
-            num_cached_tokens=request.num_cached_tokens, prefill_address=request.prefill_address)
+            num_cached_tokens=request.num_cached_tokens, prefill_address=request.prefill_address,
+            num_migrations=request.num_migrations)
         chunks = self.worker.generate(req)
         try:
-            async for chunk in chunks:
-                yield decode_pb2.TokenChunk(
-                    token_ids=list(chunk.token_ids), finish_reason=chunk.finish_reason or "",
-                    stop_reason=stop_reason_to_proto(chunk.stop_reason),
-                    num_cached_tokens=chunk.num_cached_tokens, kv_recomputed=chunk.kv_recomputed,
-                    logprobs=[logprobs_to_proto(lp) for lp in chunk.logprobs])
+            # Closed first: it may be reading ``chunks`` in a task of its own.
+            async with contextlib.aclosing(with_heartbeats(chunks, self.heartbeat_s)) as beating:
+                async for chunk in beating:
+                    if chunk is None:
+                        yield HEARTBEAT
+                        continue
+                    yield decode_pb2.TokenChunk(
+                        token_ids=list(chunk.token_ids), finish_reason=chunk.finish_reason or "",
+                        stop_reason=stop_reason_to_proto(chunk.stop_reason),
+                        num_cached_tokens=chunk.num_cached_tokens, kv_recomputed=chunk.kv_recomputed,
+                        logprobs=[logprobs_to_proto(lp) for lp in chunk.logprobs])
         finally:
             await chunks.aclose()
+
+
+HEARTBEAT = decode_pb2.TokenChunk()
+"""No token, no finish: "alive, nothing to send yet" (a transfer, a recompute, a long step)."""
+
+
+async def with_heartbeats(items: AsyncIterator[T], every_s: float) -> AsyncIterator[T | None]:
+    """``items`` as they come, and None whenever ``every_s`` passes without one.
+
+    The pending read is never cancelled by a heartbeat (cancelling a request stream's read
+    aborts the request); only closing this iterator cancels it.
+    """
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(items))
+            done, _ = await asyncio.wait((pending,), timeout=every_s)
+            if not done:
+                yield None
+                continue
+            finished, pending = pending, None
+            try:
+                item = finished.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()
+            await asyncio.wait((pending,))
 
 
 class LeaseReleaser:
@@ -41,8 +86,7 @@ class LeaseReleaser:
     async def __call__(self, prefill_address: str, lease_id: str) -> None:
         stub = self._stubs.get(prefill_address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(prefill_address, options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+            channel = grpc.aio.insecure_channel(prefill_address, options=CHANNEL_OPTIONS)
             self._channels.append(channel)
             stub = self._stubs[prefill_address] = prefill_pb2_grpc.PrefillStub(channel)
         await stub.Release(prefill_pb2.ReleaseRequest(lease_id=lease_id), timeout=5.0)
@@ -52,5 +96,5 @@ class LeaseReleaser:
             await channel.close()
 
 
-def add_to_server(server, worker: DecodeWorker) -> None:
-    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
+def add_to_server(server, worker: DecodeWorker, heartbeat_s: float = 1.0) -> None:
+    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker, heartbeat_s), server)

@@ -2,19 +2,28 @@
 
 ::
 
-    Generate RPC --> engine: held (not scheduled) --> reserve blocks (local prefix hits first;
-                                                      no room: wait for some)
-                 --> transfer: read the prompt's KV one-sided into the reserved blocks
-                       poll(): waiting -> transferring -> done | failed
-                 --> release the prefill's lease (its blocks go back to its pool)
-                 --> done:   commit, the request joins continuous batching at its next token
-                     failed: recompute the prompt here (same tokens, only slower)
+    Generate RPC --> with a KV handle (from its prefill instance):
+                       engine: held (not scheduled) --> reserve blocks (local prefix hits first;
+                                                        no room: wait for some)
+                       --> transfer: read the prompt's KV one-sided into the reserved blocks
+                             poll(): waiting -> transferring -> done | failed
+                       --> release the prefill's lease (its blocks go back to its pool)
+                       --> done:   commit, the request joins continuous batching at its next token
+                           failed: recompute the prompt here (same tokens, only slower), or fail
+                                   the request (--kv-load-failure-policy fail)
+                 --> without one (a request resumed after its decode instance failed, or a prefill
+                     whose pool the transfer engine cannot reach): the KV store's hits for the
+                     prompt and the tokens generated so far are read into the prefix cache, and
+                     the request computes only the rest
                  --> stream token chunks until finished; a cancelled RPC aborts the request
-                 --> finished: the KV of prompt and answer goes to the KV store in the
-                     background, so the conversation's next turn hits both
+                 --> while it runs, each block it fills goes to the KV store in the background
+                     (one write at a time per request), so a request resumed elsewhere finds all
+                     but its last blocks there; once finished, the rest, so the conversation's
+                     next turn hits prompt and answer
 
-The first output token came from prefill; decode continues after it, so its seeded sampling
-stream and penalties pick up exactly where prefill left off.
+The first output token came from prefill; decode continues after it (or after every token
+generated so far, for a resumed request), so its seeded sampling stream, penalties and grammar
+pick up exactly where the previous engine left off.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from dataclasses import dataclass
 
 from kvstore.transfer.descriptors import KVHandle
 from services.common import metrics
-from services.common.errors import UnavailableError
+from services.common.errors import KVLoadError, UnavailableError
 from services.common.sampling_params import TokenLogprobs
 from services.common.wire import LoadReport, RequestSpec
 from services.engine.seams import KVReservation
@@ -40,6 +49,10 @@ TRANSFERS = metrics.counter("epd_kv_transfers_total", "KV hand-overs read by thi
 TRANSFER_BYTES = metrics.counter("epd_kv_transfer_bytes_total", "KV bytes read from prefill instances.")
 TRANSFER_SECONDS = metrics.histogram("epd_kv_transfer_seconds", "Time to read one request's prompt KV.",
                                      buckets=metrics.INTER_TOKEN_BUCKETS_S)
+RESUMED_TOKENS = metrics.counter(
+    "epd_decode_resumed_tokens", "Context tokens (prompt + output so far) of requests resumed here after "
+    "another decode instance failed them, by where their KV came from: cached (the KV store or this "
+    "instance's prefix cache) or recomputed.", ["source"])
 _NO_ROOM_WAIT_S = 0.01
 
 
@@ -50,6 +63,8 @@ class DecodeInput:
     kv: KVHandle | None
     num_cached_tokens: int
     prefill_address: str
+    num_migrations: int = 0
+    """Decode instances the request already left mid-stream (0: it comes from its prefill)."""
 
 
 @dataclass(frozen=True)
@@ -68,9 +83,11 @@ ReleaseLease = Callable[[str, str], Awaitable[None]]
 
 
 class DecodeWorker:
-    def __init__(self, instance: EngineInstance, release_lease: ReleaseLease) -> None:
+    def __init__(self, instance: EngineInstance, release_lease: ReleaseLease,
+                 kv_load_failure_policy: str = "recompute") -> None:
         self.instance = instance
         self.release_lease = release_lease
+        self.kv_load_failure_policy = kv_load_failure_policy
         self.is_draining = False
         self.num_transfers_in_flight = 0
         self.num_recomputed = 0
@@ -78,37 +95,54 @@ class DecodeWorker:
     async def generate(self, req: DecodeInput) -> AsyncIterator[TokenChunk]:
         if self.is_draining:
             raise UnavailableError("this decode instance is draining")
-        spec, engine = req.spec, self.instance.engine
+        spec, engine, store = req.spec, self.instance.engine, self.instance.store
         rid, images = spec.request_id, mm_inputs(spec)
+        context = [*spec.prompt_token_ids, *req.output_token_ids]
+        if req.kv is None and store is not None:
+            await store.pull(context, images, spec.cache_salt)
         try:
             stream = await engine.add(list(spec.prompt_token_ids), spec.params, rid,
-                                      output_token_ids=req.output_token_ids, hold_for_kv=True,
+                                      output_token_ids=req.output_token_ids, hold_for_kv=req.kv is not None,
                                       mm_inputs=images, cache_salt=spec.cache_salt)
         except BaseException:
             if req.kv is not None:
                 await self._release(req.prefill_address, req.kv.lease_id)
             raise
         try:
-            is_pulled = await self._pull_kv(rid, req)
-            TRANSFERS.labels("done" if is_pulled else "failed" if req.kv is not None else "none").inc()
-            if is_pulled:
-                await engine.call(engine.engine.commit_kv, rid, req.num_cached_tokens)
-            else:
-                self.num_recomputed += 1
-                await engine.call(engine.engine.recompute_kv, rid)
+            is_pulled = await self._load_kv(rid, req)
             num_sent = num_handed = len(req.output_token_ids)
+            write_back = _WriteBack(store, spec, images, self.instance.llm.block_manager.block_size)
             async for out in stream:
+                if num_sent == num_handed and req.num_migrations:
+                    _count_resumed(rid, len(context), out.num_cached_tokens, write_back.block_size, store is not None)
                 new = tuple(out.token_ids[num_sent:])
                 # This engine sampled (and has logprobs for) the tokens after the handed-over ones.
                 logprobs = tuple((out.logprobs or [])[num_sent - num_handed:])
                 num_sent = len(out.token_ids)
-                if out.finished and self.instance.store is not None:
-                    self.instance.store.push_soon([*spec.prompt_token_ids, *out.token_ids], images,
-                                                  spec.cache_salt, spec.request_class)
+                write_back.update([*spec.prompt_token_ids, *out.token_ids], is_finished=out.finished)
                 yield TokenChunk(new, out.finish_reason, out.stop_reason, req.num_cached_tokens,
                                  not is_pulled, logprobs)
         finally:
             await stream.aclose()  # aborts an unfinished request; a held one frees its blocks
+
+    async def _load_kv(self, rid: str, req: DecodeInput) -> bool:
+        """The held request's prompt KV read in (True) or to be recomputed here (False); a
+        request added without a handle computes what its prefix-cache hits leave (False)."""
+        if req.kv is None:
+            TRANSFERS.labels("none").inc()
+            return False
+        engine = self.instance.engine
+        is_pulled = await self._pull_kv(rid, req)
+        TRANSFERS.labels("done" if is_pulled else "failed").inc()
+        if is_pulled:
+            await engine.call(engine.engine.commit_kv, rid, req.num_cached_tokens)
+        elif self.kv_load_failure_policy == "fail":
+            raise KVLoadError(f"the prompt's KV for {rid} could not be read from {req.prefill_address} "
+                              "(--kv-load-failure-policy fail)")
+        else:
+            self.num_recomputed += 1
+            await engine.call(engine.engine.recompute_kv, rid)
+        return is_pulled
 
     async def _pull_kv(self, rid: str, req: DecodeInput) -> bool:
         """Read the prompt's KV into reserved blocks; False when it must be recomputed."""
@@ -160,3 +194,40 @@ class DecodeWorker:
     def load_report(self) -> LoadReport:
         return self.instance.load_report(is_draining=self.is_draining,
                                          num_transfers_in_flight=self.num_transfers_in_flight)
+
+
+def _count_resumed(rid: str, num_context: int, num_cached: int, block_size: int, has_store: bool) -> None:
+    """A resumed request's first output: how much of its context the caches served. The last
+    context token is always computed (it yields the next token's logits)."""
+    RESUMED_TOKENS.labels("cached").inc(num_cached)
+    RESUMED_TOKENS.labels("recomputed").inc(num_context - num_cached)
+    num_cachable = (num_context - 1) // block_size * block_size  # full blocks, one token left to compute
+    why = ("" if num_cached >= num_cachable else
+           ": no KV store configured" if not has_store else
+           ": the rest was not in the store (its last blocks still being written, or the store lost them)")
+    logger.info("%s resumed here: %d of %d context tokens from the cache, %d recomputed%s",
+                rid, num_cached, num_context, num_context - num_cached, why)
+
+
+class _WriteBack:
+    """A running request's KV, written to the store block by block as it fills (one write in
+    flight at a time; a write covers every full block computed so far, the store skips what it
+    holds), then in full once the request finishes."""
+
+    def __init__(self, store, spec: RequestSpec, images, block_size: int) -> None:
+        self.store, self.spec, self.images, self.block_size = store, spec, images, block_size
+        self.num_blocks = 0
+        self.writing: asyncio.Task | None = None
+
+    def update(self, token_ids: list[int], is_finished: bool) -> None:
+        """``token_ids``: prompt and output so far; all but the last have their KV computed."""
+        if self.store is None:
+            return
+        if is_finished:
+            self.store.push_soon(token_ids, self.images, self.spec.cache_salt, self.spec.request_class)
+            return
+        num_blocks = (len(token_ids) - 1) // self.block_size
+        if num_blocks > self.num_blocks and (self.writing is None or self.writing.done()):
+            self.num_blocks = num_blocks
+            self.writing = self.store.push_soon(token_ids[:num_blocks * self.block_size], self.images,
+                                                self.spec.cache_salt, self.spec.request_class)

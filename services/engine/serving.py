@@ -52,12 +52,16 @@ class ServingConfig(EngineConfig, ServerOptions):
     no store, only this instance's own prefix cache."""
     kvstore_replicas: int = 1
     """Store nodes each written block goes to (2 survives the loss of a node)."""
+    kvstore_timeout_s: float = 1.0
+    """Deadline of a store lookup or acquire (on a request's path: a frozen store node costs at
+    most this, then is skipped for a back-off)."""
 
     def __post_init__(self) -> None:
         EngineConfig.__post_init__(self)
         ServerOptions.__post_init__(self)
         check(0 <= self.transfer_port <= 65535, "transfer_port", "must be in 0..65535 (0: a free port)")
         check(self.kvstore_replicas >= 1, "kvstore_replicas", "must be >= 1")
+        check(self.kvstore_timeout_s > 0, "kvstore_timeout_s", "must be > 0")
 
 
 class EngineInstance:
@@ -83,7 +87,8 @@ class EngineInstance:
         if config.kvstore:
             from services.kvstore.client import StoreClient
 
-            self.store = StoreConnector(self, StoreClient(config.kvstore, config.kvstore_replicas))
+            self.store = StoreConnector(self, StoreClient(config.kvstore, config.kvstore_replicas,
+                                                          timeout_s=config.kvstore_timeout_s))
 
     def _allocate_region(self, num_bytes: int):
         self.region = MemoryRegion.allocate(num_bytes, region_id=f"{self.instance_id}-kv")

@@ -8,7 +8,8 @@ Before a prompt joins the engine (prefill)::
        --> fill_prefix: the blocks join the local prefix cache --> release the store's leases
     then the request is added as usual and its admission hits those blocks (num_cached_tokens).
 
-After a request (prefill after its hand-over, decode once finished), off the request's path::
+After a request (prefill after its hand-over; decode as each block fills and once finished), off
+the request's path::
 
     export the cached full blocks of its tokens (pinned) --> store lookup: skip what is held
        --> put the rest: the store nodes read them one-sided --> unpin
@@ -151,13 +152,15 @@ class StoreConnector:
 
     # ----- write-back ---------------------------------------------------------------------
     def push_soon(self, token_ids: list[int], mm_inputs: tuple[MultiModalInput, ...] = (),
-                  cache_salt: str = "", request_class: str = "chat") -> None:
-        """Write the tokens' cached full blocks to the store in the background."""
+                  cache_salt: str = "", request_class: str = "chat") -> asyncio.Task | None:
+        """Write the tokens' cached full blocks to the store in the background; the write's
+        task (None: this pool cannot be written from)."""
         if self.instance.region is None:
-            return
+            return None
         task = asyncio.get_running_loop().create_task(self.push(token_ids, mm_inputs, cache_salt, request_class))
         self._pushes.add(task)
         task.add_done_callback(self._pushes.discard)
+        return task
 
     async def push(self, token_ids: list[int], mm_inputs: tuple[MultiModalInput, ...] = (),
                    cache_salt: str = "", request_class: str = "chat") -> int:

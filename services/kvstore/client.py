@@ -28,14 +28,20 @@ import grpc.aio
 from kvstore.hashing import BlockHash
 from kvstore.placement import place, rank
 from kvstore.transfer.descriptors import KVHandle
-from services.common.server import MAX_MESSAGE_BYTES
+from services.common import metrics
+from services.common.server import CHANNEL_OPTIONS
 from services.common.wire import kv_handle_from_proto, kv_handle_to_proto
 from services.pb import kvstore_pb2, kvstore_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-_DEAD_FOR_S = 5.0
-"""How long a node that failed an RPC is skipped."""
+_DEAD_FOR_S = 1.0
+"""How long a node that failed an RPC is skipped; doubled for each further failure in a row
+(up to ``_MAX_DEAD_FOR_S``), so a frozen node costs a request its deadline rarely, not always."""
+_MAX_DEAD_FOR_S = 30.0
+FAILURES = metrics.counter("epd_kv_store_client_failures", "Store RPCs this instance made that failed (each a "
+                           "miss or a skipped write, never a failed request), by method and gRPC status.",
+                           ["method", "code"])
 _RELEASE_AFTER_S = 0.005
 """How long a finished read's lease waits for an Acquire to the same node to carry it."""
 
@@ -50,8 +56,11 @@ class Lent:
 
 
 class StoreClient:
-    def __init__(self, addresses: Sequence[str], replicas: int = 1, timeout_s: float = 5.0,
-                 refresh_s: float = 2.0) -> None:
+    def __init__(self, addresses: Sequence[str], replicas: int = 1, timeout_s: float = 1.0,
+                 refresh_s: float = 2.0, put_timeout_s: float = 30.0) -> None:
+        """``timeout_s``: the deadline of lookups, acquires and releases, which sit on a
+        request's path (a frozen node must not hold it up for long); ``put_timeout_s``: of
+        writes, which run in the background but pin the writer's blocks meanwhile."""
         if not addresses:
             raise ValueError("a store client needs at least one node address")
         if replicas < 1:
@@ -59,10 +68,12 @@ class StoreClient:
         self.entry_addresses = tuple(addresses)
         self.replicas = replicas
         self.timeout_s = timeout_s
+        self.put_timeout_s = put_timeout_s
         self.refresh_s = refresh_s
         self._stubs: dict[str, kvstore_pb2_grpc.KVStoreStub] = {}
         self._channels: list[grpc.aio.Channel] = []
         self._dead_until: dict[str, float] = {}
+        self._num_failures: dict[str, int] = {}  # address -> RPCs failed in a row
         self._nodes: dict[str, str] = {}  # node id -> address
         self._nodes_at = float("-inf")
         self._releases: set[asyncio.Task] = set()
@@ -173,7 +184,7 @@ class StoreClient:
                 hashes=[hashes[i] for i in idx], request_class=request_class,
                 source=kv_handle_to_proto(KVHandle(source.lease_id, source.owner, source.regions,
                                                    tuple(source.blocks[i] for i in idx)))),
-                timeout_s=max(self.timeout_s, 60.0))
+                timeout_s=self.put_timeout_s)
             for address, idx in per_node.items()))
         return sum(r.num_stored + r.num_renewed for r in replies if r is not None)
 
@@ -203,19 +214,25 @@ class StoreClient:
     async def _call(self, address: str, method: str, request, timeout_s: float | None = None):
         """One RPC; None (and the node skipped for a while) when it fails."""
         try:
-            return await getattr(self._stub(address), method)(request, timeout=timeout_s or self.timeout_s)
+            reply = await getattr(self._stub(address), method)(request, timeout=timeout_s or self.timeout_s)
         except grpc.aio.AioRpcError as exc:
+            FAILURES.labels(method, exc.code().name).inc()
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                self._dead_until[address] = time.monotonic() + _DEAD_FOR_S
-            logger.warning("KV store %s %s failed: %s %s", address, method, exc.code().name, exc.details())
+                num_failures = self._num_failures[address] = self._num_failures.get(address, 0) + 1
+                dead_for_s = min(_MAX_DEAD_FOR_S, _DEAD_FOR_S * 2 ** (num_failures - 1))
+                self._dead_until[address] = time.monotonic() + dead_for_s
+                logger.warning("KV store %s %s failed: %s %s; skipped for %.0f s", address, method,
+                               exc.code().name, exc.details(), dead_for_s)
+            else:
+                logger.warning("KV store %s %s failed: %s %s", address, method, exc.code().name, exc.details())
             return None
+        self._num_failures.pop(address, None)
+        return reply
 
     def _stub(self, address: str) -> kvstore_pb2_grpc.KVStoreStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
             self._channels.append(channel)
             stub = self._stubs[address] = kvstore_pb2_grpc.KVStoreStub(channel)
         return stub

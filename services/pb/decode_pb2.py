@@ -26,7 +26,7 @@ from services.pb import common_pb2 as common__pb2
 from services.pb import kvstore_pb2 as kvstore__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x64\x65\x63ode.proto\x12\x06\x65pd.v1\x1a\x0c\x63ommon.proto\x1a\rkvstore.proto\"\x9e\x01\n\rDecodeRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.epd.v1.RequestSpec\x12\x18\n\x10output_token_ids\x18\x02 \x03(\x05\x12\x1c\n\x02kv\x18\x03 \x01(\x0b\x32\x10.epd.v1.KVHandle\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\"\xba\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\x0bstop_reason\x18\x03 \x01(\x0b\x32\x12.epd.v1.StopReason\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x15\n\rkv_recomputed\x18\x05 \x01(\x08\x12\'\n\x08logprobs\x18\x06 \x03(\x0b\x32\x15.epd.v1.TokenLogprobs2\xef\x01\n\x06\x44\x65\x63ode\x12\x37\n\x08Generate\x12\x15.epd.v1.DecodeRequest\x1a\x12.epd.v1.TokenChunk0\x01\x12;\n\x0cGetModelInfo\x12\x18.epd.v1.ModelInfoRequest\x1a\x11.epd.v1.ModelInfo\x12\x32\n\x07GetLoad\x12\x13.epd.v1.LoadRequest\x1a\x12.epd.v1.LoadReport\x12;\n\tWatchLoad\x12\x18.epd.v1.WatchLoadRequest\x1a\x12.epd.v1.LoadReport0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x64\x65\x63ode.proto\x12\x06\x65pd.v1\x1a\x0c\x63ommon.proto\x1a\rkvstore.proto\"\xb6\x01\n\rDecodeRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.epd.v1.RequestSpec\x12\x18\n\x10output_token_ids\x18\x02 \x03(\x05\x12\x1c\n\x02kv\x18\x03 \x01(\x0b\x32\x10.epd.v1.KVHandle\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\x12\x16\n\x0enum_migrations\x18\x06 \x01(\x05\"\xba\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\x0bstop_reason\x18\x03 \x01(\x0b\x32\x12.epd.v1.StopReason\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x15\n\rkv_recomputed\x18\x05 \x01(\x08\x12\'\n\x08logprobs\x18\x06 \x03(\x0b\x32\x15.epd.v1.TokenLogprobs2\xef\x01\n\x06\x44\x65\x63ode\x12\x37\n\x08Generate\x12\x15.epd.v1.DecodeRequest\x1a\x12.epd.v1.TokenChunk0\x01\x12;\n\x0cGetModelInfo\x12\x18.epd.v1.ModelInfoRequest\x1a\x11.epd.v1.ModelInfo\x12\x32\n\x07GetLoad\x12\x13.epd.v1.LoadRequest\x1a\x12.epd.v1.LoadReport\x12;\n\tWatchLoad\x12\x18.epd.v1.WatchLoadRequest\x1a\x12.epd.v1.LoadReport0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,9 +34,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=54
-  _globals['_DECODEREQUEST']._serialized_end=212
-  _globals['_TOKENCHUNK']._serialized_start=215
-  _globals['_TOKENCHUNK']._serialized_end=401
-  _globals['_DECODE']._serialized_start=404
-  _globals['_DECODE']._serialized_end=643
+  _globals['_DECODEREQUEST']._serialized_end=236
+  _globals['_TOKENCHUNK']._serialized_start=239
+  _globals['_TOKENCHUNK']._serialized_end=425
+  _globals['_DECODE']._serialized_start=428
+  _globals['_DECODE']._serialized_end=667
 # @@protoc_insertion_point(module_scope)

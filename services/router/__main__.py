@@ -53,7 +53,9 @@ async def run(config: RouterConfig) -> int:
 
 async def _run(config: RouterConfig, gate: Gate) -> int:
     backend = ClusterBackend(config.prefill, config.decode, config.encoder, policies(config),
-                             health_timeout_s=config.health_timeout_s)
+                             health_timeout_s=config.health_timeout_s,
+                             decode_idle_timeout_s=config.decode_idle_timeout_s,
+                             max_migrations=config.max_migrations)
     try:
         await backend.connect(timeout_s=config.connect_timeout_s)
     except grpc.aio.AioRpcError as exc:

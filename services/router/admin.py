@@ -1,7 +1,9 @@
 """The router's admin API: see and steer the balancers at run time (a separate port, bearer token).
 
     GET  /admin/instances                      every instance: id, role, health, drain, load, bucket,
-                                               restarts (by its supervisor; None before its first report)
+                                               restarts (by its supervisor; None before its first report),
+                                               whether its load is stale (reports stopped) and how old,
+                                               failures in a row and outlier ejection
     GET  /admin/router                         this router: pid, restarts (by its supervisor)
     POST /admin/instances/{id}/drain           no new requests for it (in-flight ones finish)
     POST /admin/instances/{id}/undrain
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -103,10 +106,16 @@ def create_admin_app(pools: dict[str, InstancePool], token: str,
         out = []
         for role, pool in pools.items():
             bucket_of = _bucket_of_instances(pool.policy) if role == "prefill" else {}
+            now = time.monotonic()
             for instance, view in zip(pool.instances, pool.views()):
                 load = instance.load
                 out.append({"id": view.instance_id, "address": instance.address, "role": role,
                             "healthy": view.is_healthy, "draining": view.is_draining, "drained": instance.is_drained,
+                            # "load" is its last report: stale once reports stop (dead, frozen, restarting)
+                            "stale": load is not None and not instance.is_reporting(now, pool.health_timeout_s),
+                            "report_age_s": None if load is None else round(now - instance.report_at, 3),
+                            "failures_in_a_row": instance.num_failures,
+                            "ejected_for_s": round(max(0.0, instance.ejected_until - now), 3),
                             "bucket": bucket_of.get(view.instance_id),
                             "restarts": None if load is None else load.num_restarts,
                             "load": None if load is None else {

@@ -47,6 +47,12 @@ class RouterConfig:
     bucket has at most this many seconds of prefill queued."""
     health_timeout_s: float = 3.0
     """An instance with no load report for this long gets no new requests."""
+    decode_idle_timeout_s: float = 5.0
+    """A decode stream that sends nothing for this long (decode instances send a heartbeat
+    every second while busy) counts as frozen: its request moves to another instance."""
+    max_migrations: int = 3
+    """How many times one request may move to another decode instance mid-stream (its stream
+    broke or went silent) before it fails."""
     admin_host: str = "127.0.0.1"
     """Address the admin API binds to (keep it private)."""
     admin_port: int | None = 8001
@@ -98,6 +104,8 @@ class RouterConfig:
         check(self.round_s > 0, "round_s", "must be > 0")
         check(self.room_s >= 0, "room_s", "must be >= 0")
         check(self.health_timeout_s > 0, "health_timeout_s", "must be > 0")
+        check(self.decode_idle_timeout_s > 0, "decode_idle_timeout_s", "must be > 0")
+        check(self.max_migrations >= 0, "max_migrations", "must be >= 0 (0: a broken stream fails its request)")
         check(self.admin_port is None or 0 <= self.admin_port <= 65535, "admin_port",
               "must be in 0..65535 (0: a free port) or none")
         for field in ("rpm", "tpm", "max_concurrency"):

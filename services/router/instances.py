@@ -4,8 +4,11 @@ Each instance streams load reports (``WatchLoad``) to its pool; the pool turns t
 an :class:`InstanceView` snapshot and lets the role's policy (``services/router/policies``)
 pick. An instance is **unhealthy** while its report stream is broken, when no report came for
 ``health_timeout_s``, or right after an RPC to it failed as unavailable; an instance never heard
-from yet counts as healthy (so a router starting with its instances works at once). Unhealthy
-and drained instances get no new requests; requests already there finish.
+from yet counts as healthy (so a router starting with its instances works at once). An instance
+whose requests failed ``eject_after`` times in a row is **ejected** (outlier ejection): no new
+requests for a back-off that doubles with each further failure (``eject_s`` up to
+``max_eject_s``), whatever its reports say; one success clears it. Unhealthy, ejected and
+drained instances get no new requests; requests already there finish.
 
 Between two reports the pool counts the requests it sent (``num_sent``, and their estimated
 compute, the reference cost model scaled to what the instance's own fitted model says of its
@@ -23,9 +26,11 @@ with no instance available at all, waiting requests fail as unavailable.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -35,7 +40,7 @@ import grpc.aio
 from services.common import metrics
 from services.common.cost_model import PrefillCost
 from services.common.errors import UnavailableError
-from services.common.server import MAX_MESSAGE_BYTES
+from services.common.server import CHANNEL_OPTIONS
 from services.common.wire import LoadReport, load_from_proto
 from services.pb import common_pb2
 from services.router.policies import InstanceView, Pick, Policy, RequestView
@@ -45,9 +50,9 @@ from services.router.policies.waiting import Waiting, dispatched
 logger = logging.getLogger(__name__)
 
 S = TypeVar("S")
-_CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 _RECONNECT_S = 0.5
+EJECTIONS = metrics.counter("epd_router_ejections", "Instances taken out of rotation for a back-off after "
+                            "consecutive failed requests (outlier ejection), by role.", ["role"])
 QUEUE_WAIT = metrics.histogram("epd_router_queue_wait_seconds", "Time a request waited in the router's queue "
                                "until its policy dispatched it (queueing policies).", ["role"],
                                buckets=metrics.TTFT_BUCKETS_S)
@@ -77,14 +82,22 @@ class Instance(Generic[S]):
     cost_scale: float = 1.0
     """Its own estimate of its queued prefill over the reference cost model's, last time it
     reported both (what the router multiplies its own estimates by)."""
+    num_failures: int = 0
+    """Requests that failed on it in a row (a success resets it)."""
+    ejected_until: float = float("-inf")
+    """Outlier ejection: no new requests before this time (monotonic clock)."""
 
     def __post_init__(self) -> None:
         self.instance_id = self.instance_id or self.address
 
     def is_healthy(self, now: float, health_timeout_s: float) -> bool:
-        if self.is_broken:
+        if self.is_broken or now < self.ejected_until:
             return False
-        return self.load is None or now - self.report_at <= health_timeout_s
+        return self.load is None or self.is_reporting(now, health_timeout_s)
+
+    def is_reporting(self, now: float, health_timeout_s: float) -> bool:
+        """Its latest report is fresh (False before the first one)."""
+        return self.load is not None and not self.is_broken and now - self.report_at <= health_timeout_s
 
     def queued_compute_s(self, load: LoadReport, now: float, cost: PrefillCost) -> float:
         """The instance's own estimate when it has one (its fitted model), else the reference's,
@@ -135,16 +148,18 @@ class _Waiter:
 class InstancePool(Generic[S]):
     def __init__(self, role: str, addresses: tuple[str, ...], stub_class: type[S], policy: Policy,
                  health_timeout_s: float = 3.0, report_interval_s: float = 0.5,
-                 cost: PrefillCost = PrefillCost()) -> None:
+                 cost: PrefillCost = PrefillCost(), eject_after: int = 3, eject_s: float = 1.0,
+                 max_eject_s: float = 30.0) -> None:
         self.role = role
         self.policy = policy
         self.health_timeout_s = health_timeout_s
+        self.eject_after, self.eject_s, self.max_eject_s = eject_after, eject_s, max_eject_s
         self.report_interval_s = report_interval_s
         self.cost = cost
         self.block_size = 16
         """Tokens per KV block (the router learns it from the model)."""
         self.instances: list[Instance[S]] = [
-            Instance(a, channel := grpc.aio.insecure_channel(a, options=_CHANNEL_OPTIONS), stub_class(channel))
+            Instance(a, channel := grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS), stub_class(channel))
             for a in addresses]
         self.picks: Counter[str] = Counter()
         """Picks per policy name (the admin API's per-policy stats)."""
@@ -161,17 +176,24 @@ class InstancePool(Generic[S]):
         now = time.monotonic()
         return [i.view(self.role, now, self.health_timeout_s, self.cost, self.block_size) for i in self.instances]
 
-    def pick(self, request: RequestView | None = None, arrival: bool = True) -> Instance[S]:
+    def pick(self, request: RequestView | None = None, arrival: bool = True,
+             avoid: Collection[str] = ()) -> Instance[S]:
         """The policy's pick among healthy, undrained instances, now; UnavailableError if none.
-        ``arrival``: the request's first placement (a retry is not)."""
-        return self._pick(request or RequestView("", 0), arrival).instance
+        ``arrival``: the request's first placement (a retry is not). ``avoid``: addresses the
+        request already failed on, not picked while any other instance is available."""
+        return self._pick(request or RequestView("", 0), arrival, avoid).instance
 
-    def _pick(self, request: RequestView, arrival: bool) -> Placement[S]:
+    def _pick(self, request: RequestView, arrival: bool, avoid: Collection[str] = ()) -> Placement[S]:
         if not self.instances:
             raise UnavailableError(f"no {self.role} instance is configured")
         if arrival:
             self.policy.on_arrival(request)
-        chosen = self.policy.pick(request, self.views())
+        views = self.views()
+        if avoid:
+            others = [v if i.address not in avoid else dataclasses.replace(v, is_healthy=False)
+                      for i, v in zip(self.instances, views)]
+            views = others if available(others) else views
+        chosen = self.policy.pick(request, views)
         if chosen is None:
             self.policy.on_leave(request)
             raise UnavailableError(f"no {self.role} instance is available (all unhealthy or drained)")
@@ -267,6 +289,30 @@ class InstancePool(Generic[S]):
         """An RPC found it unavailable: no new work until it reports again."""
         instance.is_broken = True
         self.dispatch()
+
+    def failed(self, instance: Instance[S]) -> None:
+        """A request failed on it (unavailable, broken or silent): no new work until it reports
+        again, and after ``eject_after`` in a row, none for a back-off whatever it reports."""
+        instance.num_failures += 1
+        num_over = instance.num_failures - self.eject_after
+        if num_over >= 0:
+            eject_s = min(self.max_eject_s, self.eject_s * 2 ** num_over)
+            instance.ejected_until = time.monotonic() + eject_s
+            EJECTIONS.labels(self.role).inc()
+            logger.warning("%s %s failed %d requests in a row: ejected for %.1f s", self.role,
+                           instance.address, instance.num_failures, eject_s)
+        self.mark_unavailable(instance)
+
+    def succeeded(self, instance: Instance[S]) -> None:
+        instance.num_failures = 0
+        instance.ejected_until = float("-inf")
+
+    def num_serving(self) -> int:
+        """Instances known to take requests now: a fresh load report, not ejected, not drained
+        (what the router's readiness counts; picks also try instances not heard from yet)."""
+        now = time.monotonic()
+        return sum(1 for i, view in zip(self.instances, self.views())
+                   if view.is_available and i.is_reporting(now, self.health_timeout_s))
 
     def set_drained(self, instance: Instance[S], is_drained: bool) -> None:
         instance.is_drained = is_drained

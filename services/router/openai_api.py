@@ -342,6 +342,7 @@ class OutputText:
         self.logprobs: list[TokenLogprobs] = []
         """Of the shown tokens (not of a hidden EOS / stop token id), when the request asked."""
         self.num_sent_logprobs = 0
+        self.num_sent_token_ids = 0
 
     @property
     def text(self) -> str:
@@ -380,6 +381,13 @@ class OutputText:
         delta = self.text[self.num_sent_chars:end]
         self.num_sent_chars = max(self.num_sent_chars, end)
         return delta
+
+    def take_token_ids(self) -> list[int]:
+        """The token ids not handed out yet (``return_token_ids``: each stream chunk carries
+        those new since the previous one; all of them add up to ``token_ids``)."""
+        new = self.token_ids[self.num_sent_token_ids:]
+        self.num_sent_token_ids = len(self.token_ids)
+        return new
 
     def take_logprobs(self) -> list[TokenLogprobs]:
         """The logprobs not handed out yet (a stream sends each token's with the text it came in)."""

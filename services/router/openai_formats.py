@@ -58,6 +58,13 @@ class _OpenAIFormat:
                 choice["token_ids"] = out.token_ids
         return self.body(choices, usage=usage_of(outs), final=True)
 
+    def with_token_ids(self, out: OutputText, choice: dict) -> dict:
+        """A stream chunk's choice, with the ids of the tokens new since the last one when the
+        request asked for them (vLLM's ``return_token_ids``)."""
+        if self.return_token_ids:
+            choice["token_ids"] = out.take_token_ids()
+        return choice
+
     def body(self, choices: list[dict], usage: dict | None = None, final: bool = False) -> dict:
         body = {"id": self.id, "object": self.object_name(final), "created": self.created, "model": self.model,
                 "choices": choices}
@@ -93,7 +100,8 @@ class ChatFormat(_OpenAIFormat):
                             for lp in entries], "refusal": None}
 
     def _chunk(self, out: OutputText, delta: dict, finish_reason: str | None = None, logprobs=None) -> dict:
-        return self.body([{"index": out.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+        return self.body([self.with_token_ids(out, {"index": out.index, "delta": delta, "logprobs": logprobs,
+                                                    "finish_reason": finish_reason})])
 
     def first_chunk(self, out: OutputText) -> dict | None:
         return self._chunk(out, {"role": "assistant", "content": ""})
@@ -179,10 +187,11 @@ class CompletionFormat(_OpenAIFormat):
         return None  # completions chunks carry no role
 
     def text_chunk(self, out: OutputText, text: str) -> dict:
-        return self.body([self._choice(out, text, None, self._logprobs(out, out.take_logprobs()))])
+        return self.body([self.with_token_ids(out, self._choice(out, text, None, self._logprobs(out, out.take_logprobs())))])
 
     def finish_chunk(self, out: OutputText) -> dict:
-        return self.body([self._choice(out, "", out.finish_reason, self._logprobs(out, out.take_logprobs()))])
+        return self.body([self.with_token_ids(out, self._choice(out, "", out.finish_reason,
+                                                                self._logprobs(out, out.take_logprobs())))])
 
     def full_choice(self, out: OutputText) -> dict:
         return self._choice(out, out.text, out.finish_reason, self._logprobs(out, out.logprobs))

@@ -129,7 +129,8 @@ class SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     return_token_ids: bool = False
-    """vLLM extension: non-streaming choices also carry the generated ``token_ids``."""
+    """vLLM extension: choices also carry the generated ``token_ids`` (a stream's chunks, the
+    ids new since the previous chunk)."""
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     """vLLM extension: salts the prefix cache, so only requests with the same salt share cached
     KV (and none can time another's prompts)."""

@@ -4,6 +4,13 @@
 
     GenerateRequest --> (images: encoder) --> prefill: first token + KV handle
                     --> decode: pulls the KV one-sided, streams tokens --> GenerateChunks
+                          | the stream breaks (instance dead, unavailable, reset) or goes silent
+                          | (no chunk, not even a heartbeat, for decode_idle_timeout_s)
+                          v
+                        another decode instance, sent the prompt and every token so far: it
+                        resumes from the KV store (all but the last blocks) and computes the
+                        rest; the client's stream goes on, no token lost or repeated
+                        (at most max_migrations times)
 
 Closing the chunk iterator (the client left) cancels whichever call is in flight; a KV handle
 that no decode instance took yet is released at its prefill instance right away.
@@ -11,18 +18,20 @@ that no decode instance took yet is released at its prefill instance right away.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 import grpc.aio
 from tokenizers import Tokenizer as BackendTokenizer
 
 from kvstore.hashing import block_hashes, root_hash
-from services.common.errors import InvalidRequestError
-from services.common.grpc_errors import error_from_rpc
+from services.common import metrics
+from services.common.errors import EPDError, InvalidRequestError, UnavailableError
+from services.common.grpc_errors import error_from_rpc, is_raised_by_server
 from services.common.retry import is_retryable, retry
 from services.common.tokenizer import Tokenizer
 from services.common.wire import (ImageInput, ModelInfo, RequestSpec, logprobs_from_proto,
@@ -37,11 +46,28 @@ from services.router.policies import Policy, RequestView, make_policy
 logger = logging.getLogger(__name__)
 
 
+MIGRATIONS = metrics.counter(
+    "epd_router_migrations", "Decode streams moved mid-request to another decode instance, by why (broken: "
+    "the stream failed; silent: nothing, not even a heartbeat, within the idle deadline) and outcome "
+    "(moved: sent on with every token so far; gave_up: the migration limit was reached or no instance "
+    "was left, and the request failed).", ["reason", "outcome"])
+
+
+_WAIT_FOR_DECODE_S = 0.1
+
+
+class StreamSilent(UnavailableError):
+    """A decode stream sent nothing, not even a heartbeat, within the idle deadline."""
+
+
 class ClusterBackend:
     def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...], encoder: tuple[str, ...] = (),
-                 policies: dict[str, Policy] | None = None, health_timeout_s: float = 3.0) -> None:
+                 policies: dict[str, Policy] | None = None, health_timeout_s: float = 3.0,
+                 decode_idle_timeout_s: float = 5.0, max_migrations: int = 3) -> None:
         """``policies``: role -> policy (default: round robin for every role)."""
         policies = policies or {}
+        self.decode_idle_timeout_s = decode_idle_timeout_s
+        self.max_migrations = max_migrations
 
         def pool(role: str, addresses: tuple[str, ...], stub_class) -> InstancePool:
             return InstancePool(role, addresses, stub_class, policies.get(role) or make_policy("round_robin"),
@@ -83,13 +109,10 @@ class ClusterBackend:
         return self.info.image_token_id if self.encoders else None
 
     async def is_healthy(self) -> bool:
-        try:
-            for pool in (self.prefills, self.decodes):
-                for instance in pool.instances:
-                    await instance.stub.GetLoad(common_pb2.LoadRequest(), timeout=2.0)
-        except grpc.aio.AioRpcError:
-            return False
-        return True
+        """Ready to serve: at least one prefill and one decode instance take requests now (by
+        their load reports). One instance down is not an outage; the encoders only serve
+        images, so text keeps being served without them."""
+        return all(pool.num_serving() > 0 for pool in (self.prefills, self.decodes))
 
     async def close(self) -> None:
         for pool in self.pools:
@@ -103,52 +126,104 @@ class ClusterBackend:
                            self._block_hashes(spec) if self.prefills.policy.needs_block_hashes
                            else ())
         prefill, first = await self._prefill(spec, view)
-        kv = first.kv if first.HasField("kv") else None
-        handed_over = False
+        finish = first.finish_reason or None
+        first_logprobs = ((logprobs_from_proto(first.first_token_logprobs),)
+                          if first.HasField("first_token_logprobs") else ())
+        decoding = None if finish is not None else self._decode(spec, view, prefill, first)
         try:
-            finish = first.finish_reason or None
-            first_logprobs = ((logprobs_from_proto(first.first_token_logprobs),)
-                              if first.HasField("first_token_logprobs") else ())
             yield GenerateChunk((first.first_token_id,), finish, stop_reason_from_proto(first.stop_reason),
                                 num_prompt, first.num_cached_tokens, first_logprobs)
-            if finish is not None:
+            if decoding is None:
                 return
-            request = decode_pb2.DecodeRequest(
-                spec=spec_to_proto(spec), output_token_ids=[first.first_token_id],
-                kv=kv, num_cached_tokens=first.num_cached_tokens, prefill_address=prefill.address)
-            async with contextlib.aclosing(self._decode(request, view)) as chunks:
-                async for chunk in chunks:
-                    # A decode instance has the request: it read the KV (or recomputes) and
-                    # releases the lease itself.
-                    handed_over = True
-                    yield GenerateChunk(tuple(chunk.token_ids), chunk.finish_reason or None,
-                                        stop_reason_from_proto(chunk.stop_reason), num_prompt,
-                                        chunk.num_cached_tokens, tuple(map(logprobs_from_proto, chunk.logprobs)))
+            async for chunk in decoding:
+                yield GenerateChunk(tuple(chunk.token_ids), chunk.finish_reason or None,
+                                    stop_reason_from_proto(chunk.stop_reason), num_prompt,
+                                    chunk.num_cached_tokens, tuple(map(logprobs_from_proto, chunk.logprobs)))
         finally:
-            if kv is not None and not handed_over:
+            if decoding is not None:
+                await decoding.aclose()  # releases a KV handle no decode instance took
+
+    async def _decode(self, spec: RequestSpec, view: RequestView, prefill,
+                      first: prefill_pb2.PrefillResponse) -> AsyncGenerator[decode_pb2.TokenChunk, None]:
+        """The tokens after the first, from decode instances: when one's stream breaks or goes
+        silent, the request moves to another with every token so far (up to ``max_migrations``
+        times), so the chunks read as one stream."""
+        kv = first.kv if first.HasField("kv") else None
+        output = [first.first_token_id]
+        failed: list[str] = []
+        reason = ""
+        try:
+            while True:
+                instance = await self._pick_decode(view, failed, reason)
+                message = decode_pb2.DecodeRequest(
+                    spec=spec_to_proto(spec), output_token_ids=output, kv=kv,
+                    num_cached_tokens=first.num_cached_tokens, prefill_address=prefill.address,
+                    num_migrations=len(failed))
+                try:
+                    async with contextlib.aclosing(self._read_decode(instance, message)) as chunks:
+                        async for chunk in chunks:
+                            # The instance has the request: it read the KV (or recomputes) and
+                            # releases the lease itself.
+                            kv = None
+                            self.decodes.succeeded(instance)
+                            output += chunk.token_ids
+                            yield chunk
+                            if chunk.finish_reason:
+                                return
+                    raise UnavailableError(f"decode instance {instance.address} ended the stream "
+                                           "without a finish_reason")
+                except UnavailableError as exc:
+                    self.decodes.failed(instance)
+                    failed.append(instance.address)
+                    reason = "silent" if isinstance(exc, StreamSilent) else "broken"
+                    if kv is not None:  # never reused: the failed instance may have released it
+                        await self._release(prefill, kv.lease_id)
+                        kv = None
+                    if len(failed) > self.max_migrations:
+                        MIGRATIONS.labels(reason, "gave_up").inc()
+                        raise UnavailableError(f"the request's decode failed {len(failed)} times, the "
+                                               f"last on {instance.address}: {exc}") from exc
+                    MIGRATIONS.labels(reason, "moved").inc()
+                    logger.warning("decode stream of %s on %s %s (%s) after %d tokens: moving it",
+                                   spec.request_id, instance.address, reason, exc, len(output))
+        finally:
+            if kv is not None:
                 await self._release(prefill, kv.lease_id)
 
-    async def _decode(self, request: decode_pb2.DecodeRequest, view: RequestView) -> AsyncIterator[decode_pb2.TokenChunk]:
-        """The token stream from a decode instance; until its first chunk, an unavailable
-        instance (dead, draining) is skipped for the next one."""
-        for attempt in range(len(self.decodes)):
-            instance = self.decodes.pick(view, arrival=attempt == 0)
-            call = instance.stub.Generate(request)
-            has_chunks = False
+    async def _pick_decode(self, view: RequestView, failed: list[str], reason: str):
+        """A decode instance for the request; one it ``failed`` on only when no other is left.
+        A request being moved waits up to the idle deadline for one to come back (a lone
+        instance being restarted) before it fails."""
+        deadline = asyncio.get_running_loop().time() + (self.decode_idle_timeout_s if failed else 0.0)
+        while True:
             try:
-                async for chunk in call:
-                    has_chunks = True
+                return self.decodes.pick(view, arrival=not failed, avoid=failed)
+            except UnavailableError:
+                if asyncio.get_running_loop().time() >= deadline:
+                    if failed:
+                        MIGRATIONS.labels(reason, "gave_up").inc()
+                    raise
+            await asyncio.sleep(_WAIT_FOR_DECODE_S)
+
+    async def _read_decode(self, instance, message: decode_pb2.DecodeRequest) -> AsyncIterator[decode_pb2.TokenChunk]:
+        """One decode instance's token chunks (heartbeats dropped). A broken stream is an
+        UnavailableError; so is silence past the idle deadline (:class:`StreamSilent`); any
+        other failure is the request's own and passes as its EPDError."""
+        call = instance.stub.Generate(message)
+        try:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(call.read(), self.decode_idle_timeout_s)
+                except asyncio.TimeoutError:
+                    raise StreamSilent(f"nothing for {self.decode_idle_timeout_s:g} s") from None
+                except grpc.aio.AioRpcError as exc:
+                    raise _stream_error(exc) from exc
+                if chunk is grpc.aio.EOF:
+                    return
+                if chunk.token_ids or chunk.finish_reason:
                     yield chunk
-                return
-            except grpc.aio.AioRpcError as exc:
-                error = error_from_rpc(exc)
-                if error.retryable:
-                    self.decodes.mark_unavailable(instance)
-                if has_chunks or not error.retryable or attempt == len(self.decodes) - 1:
-                    raise error from exc
-                logger.warning("decode instance %s unavailable (%s): trying another", instance.address, error)
-            finally:
-                call.cancel()
+        finally:
+            call.cancel()
 
     async def _prefill(self, spec: RequestSpec, view: RequestView):
         """(instance, PrefillResponse); another instance is tried when one is unavailable. The
@@ -160,14 +235,16 @@ class ClusterBackend:
             placement = await self.prefills.place(view, arrival=next(arrivals, False))
             instance = placement.instance
             try:
-                return instance, await instance.stub.Prefill(message)
+                reply = await instance.stub.Prefill(message)
             except grpc.aio.AioRpcError as exc:
                 error = error_from_rpc(exc)
                 if error.retryable:
-                    self.prefills.mark_unavailable(instance)
+                    self.prefills.failed(instance)
                 raise error from exc
             finally:
                 self.prefills.release(placement)
+            self.prefills.succeeded(instance)
+            return instance, reply
 
         return await retry(attempt, retry_on=is_retryable, attempts=max(2, len(self.prefills)))
 
@@ -202,12 +279,38 @@ class ClusterBackend:
         return tuple(block_hashes(list(spec.prompt_token_ids), self.info.block_size, root))
 
     async def _encode_images(self, request: GenerateRequest) -> list[tuple[bytes, object]]:
+        """Every image's (hash, embeddings); another encoder is tried when one is unavailable."""
         if not self.encoders:
             raise InvalidRequestError("this deployment has no encoder: images are not supported")
-        instance = self.encoders.pick(RequestView(request.request_id, len(request.prompt_token_ids),
-                                                  num_patches=len(request.images)))
-        try:
-            reply = await instance.stub.Encode(encoder_pb2.EncodeRequest(images=list(request.images)))
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from exc
+        view = RequestView(request.request_id, len(request.prompt_token_ids), num_patches=len(request.images))
+        message = encoder_pb2.EncodeRequest(images=list(request.images))
+        failed: list[str] = []
+
+        async def attempt():
+            instance = self.encoders.pick(view, arrival=not failed, avoid=failed)
+            try:
+                reply = await instance.stub.Encode(message)
+            except grpc.aio.AioRpcError as exc:
+                error = error_from_rpc(exc)
+                if error.retryable:
+                    self.encoders.failed(instance)
+                    failed.append(instance.address)
+                raise error from exc
+            self.encoders.succeeded(instance)
+            return reply
+
+        reply = await retry(attempt, retry_on=is_retryable, attempts=max(2, len(self.encoders)))
         return [(image.image_hash, tensor_from_proto(image.embeddings)) for image in reply.images]
+
+
+def _stream_error(exc: grpc.aio.AioRpcError) -> EPDError:
+    """What a failed decode stream means for its request. A status the instance chose (an
+    EPDError it raised: its class rides in the trailing metadata) is the request's own; a
+    transport failure (UNAVAILABLE, or the UNKNOWN / INTERNAL / CANCELLED of a stream cut by a
+    dying process, "Stream removed") is the instance's, and the request moves on."""
+    error = error_from_rpc(exc)
+    is_cut = (exc.code() in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED)
+              and not is_raised_by_server(exc))
+    if is_cut and not error.retryable:
+        return UnavailableError(f"the stream broke: {exc.code().name} {exc.details() or ''}".strip())
+    return error

@@ -8,9 +8,11 @@ import asyncio
 
 import pytest
 
+from services.common.errors import KVLoadError
 from services.common.sampling_params import SamplingParams
 from services.common.wire import RequestSpec
 from services.decode.config import DecodeConfig
+from services.decode.servicer import with_heartbeats
 from services.decode.worker import DecodeInput, DecodeWorker
 from services.engine import LLM
 from services.engine.serving import EngineInstance
@@ -21,14 +23,15 @@ from tests.factories import random_prompts
 PARAMS = SamplingParams(temperature=0.9, seed=11, max_tokens=10, ignore_eos=True, top_k=20)
 
 
-async def disaggregated(model: str, prompt: list[int], damage=None, transport: str | None = None):
+async def disaggregated(model: str, prompt: list[int], damage=None, transport: str | None = None,
+                        policy: str = "recompute"):
     prefill = PrefillWorker(EngineInstance(PrefillConfig(model=model, num_kv_blocks=64, device="cpu"), "prefill"))
     decode_instance = EngineInstance(DecodeConfig(model=model, num_kv_blocks=64, device="cpu"), "decode")
 
     async def release(address: str, lease_id: str) -> None:
         prefill.release(lease_id)
 
-    decode = DecodeWorker(decode_instance, release)
+    decode = DecodeWorker(decode_instance, release, kv_load_failure_policy=policy)
     if transport is not None:
         read = decode_instance.transfer.read
         decode_instance.transfer.read = lambda handle, dest: read(handle, dest, transport=transport)
@@ -39,9 +42,12 @@ async def disaggregated(model: str, prompt: list[int], damage=None, transport: s
         assert first.kv is not None and len(prefill.leases) == 1
         if damage is not None:
             damage(prefill, first.kv)
-        chunks = [c async for c in decode.generate(DecodeInput(
-            RequestSpec("r", tuple(prompt), PARAMS), (first.first_token_id,), first.kv, 0, "unused"))]
-        await asyncio.sleep(0.05)  # the lease release runs as a task
+        try:
+            chunks = [c async for c in decode.generate(DecodeInput(
+                RequestSpec("r", tuple(prompt), PARAMS), (first.first_token_id,), first.kv, 0, "unused"))]
+        finally:
+            await asyncio.sleep(0.05)  # the lease release runs as a task
+            assert len(prefill.leases) == 0
         assert len(prefill.leases) == 0
         for worker in (prefill, decode):
             stats = worker.instance.engine.stats
@@ -72,3 +78,46 @@ def test_hand_over_is_exact_and_failures_recompute(tiny_llama_dir, damage, trans
     expected = LLM(str(tiny_llama_dir), num_kv_blocks=64).generate(prompt, PARAMS)[0].token_ids
     tokens, recomputed = asyncio.run(disaggregated(str(tiny_llama_dir), prompt, damage, transport))
     assert tokens == expected and recomputed is is_recomputed
+
+
+def test_the_fail_policy_fails_the_request_instead_of_recomputing(tiny_llama_dir):
+    prompt = random_prompts(1, [150], seed=4)[0]
+    with pytest.raises(KVLoadError, match="could not be read"):
+        asyncio.run(disaggregated(str(tiny_llama_dir), prompt, corrupt, policy="fail"))
+    # (the no-leak check after every test sees both engines' blocks back)
+
+
+async def _beats(items: list, delays_s: list[float], every_s: float) -> list:
+    async def source():
+        for item, delay_s in zip(items, delays_s):
+            await asyncio.sleep(delay_s)
+            yield item
+
+    return [item async for item in with_heartbeats(source(), every_s)]
+
+
+def test_heartbeats_fill_silences_without_losing_or_cancelling_items():
+    got = asyncio.run(_beats(["a", "b", "c"], [0.0, 0.35, 0.0], every_s=0.1))
+    assert [g for g in got if g is not None] == ["a", "b", "c"]
+    assert 2 <= got.count(None) <= 4 and got[0] == "a" and got[-2:] == ["b", "c"]
+
+
+def test_closing_the_heartbeats_cancels_the_pending_read():
+    closed = asyncio.Event()
+
+    async def source():
+        try:
+            yield "a"
+            await asyncio.sleep(60)
+            yield "b"
+        finally:
+            closed.set()
+
+    async def main():
+        beats = with_heartbeats(source(), 0.05)
+        assert await anext(beats) == "a"
+        assert await anext(beats) is None
+        await beats.aclose()
+        await asyncio.wait_for(closed.wait(), 1)
+
+    asyncio.run(main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import httpx
@@ -222,3 +223,19 @@ def test_router_imports_no_torch_and_no_engine():
                      [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
             bad += [f"{path.name}: {n}" for n in names if any(n == f or n.startswith(f + ".") for f in forbidden)]
     assert bad == []
+
+
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", {"messages": MESSAGES}),
+                                        ("/v1/completions", {"prompt": "Say something."})])
+def test_streamed_token_ids_add_up_to_the_non_streamed_ones(base_url, path, body):
+    """``return_token_ids``: each stream chunk carries the ids new since the previous one."""
+    body = {"model": "test-model", "return_token_ids": True, "n": 2, **body}
+    full = httpx.post(base_url + path, json=body, timeout=10).json()
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    with httpx.stream("POST", base_url + path, json={**body, "stream": True}, timeout=10) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    streamed[choice["index"]] += choice["token_ids"]
+    assert streamed == {c["index"]: c["token_ids"] for c in full["choices"]}
+    assert all(streamed.values())
