@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import glob
 import logging
 import os
-import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,18 +42,19 @@ from services.common.server import RESTART_COUNT_ENV, check_health
 
 logger = logging.getLogger("epd.up")
 SHM_DIR = "/dev/shm"  # where MemoryRegion puts KV pools by default
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True)
-"""Loaded here, not in the forked child: dlopen between fork and exec may deadlock on a lock
-that another thread of the parent held when it forked."""
+_EXEC_DYING_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"          # PR_SET_PDEATHSIG
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"     # the parent died before that
+    "os.execv(sys.argv[2], sys.argv[2:])\n")
+"""Run first in a child, before its real program (the signal setting survives the exec). Not a
+``preexec_fn``: that runs Python between fork and exec, where gRPC's threads in the launcher
+(health checks) have left locks and pollers in a state the child cannot use; children then died
+of SIGABRT while starting, now and then. Without it the child is started by vfork and exec."""
 
 
 class ChildFailed(RuntimeError):
     """A child exited, or did not become healthy in time, while it was starting."""
-
-
-def _die_with_parent() -> None:
-    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def remove_shared_memory_of(pid: int) -> None:
@@ -119,7 +119,8 @@ class Child:
 
     def spawn(self) -> subprocess.Popen:
         env = {**os.environ, **self.env, RESTART_COUNT_ENV: str(self.num_restarts)}
-        self.process = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with_parent)
+        self.process = subprocess.Popen([sys.executable, "-c", _EXEC_DYING_WITH_PARENT, str(os.getpid()), *self.argv],
+                                        env=env)
         self.healthy_since = None
         return self.process
 
