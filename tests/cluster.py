@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
+import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import httpx
@@ -87,3 +89,72 @@ def is_idle(report: LoadReport) -> bool:
     """No request, lease or transfer left, every KV block back in the free pool."""
     return (report.num_running == 0 and report.num_waiting == 0 and report.num_leases == 0
             and report.num_transfers_in_flight == 0 and report.num_free_blocks == report.num_total_blocks)
+
+
+WORDS = "river stone cloud lamp garden winter copper violin meadow harbor lantern orchard".split()
+
+
+@dataclass
+class Outcome:
+    started: float
+    ended: float
+    error: str | None
+    """None: a 200 with a choice; else what went wrong."""
+
+
+@dataclass
+class SteadyLoad:
+    """New non-streaming chat requests (small, greedy), back to back from ``num_threads``
+    threads, each with its own prompt (so new blocks keep reaching the store nodes); every
+    outcome is kept. Use it as a context manager around the fault."""
+
+    url: str
+    num_threads: int = 2
+    headers: dict[str, str] = field(default_factory=dict)
+    model: str = "tiny-chat0"
+    outcomes: list[Outcome] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def __enter__(self) -> SteadyLoad:
+        self._threads = [threading.Thread(target=self._send, args=(seed,), daemon=True) for seed in range(self.num_threads)]
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+
+    def _send(self, seed: int) -> None:
+        rng = random.Random(seed * 7919 + int(time.monotonic() * 1000))
+        with httpx.Client(timeout=60, headers=self.headers) as client:
+            while not self._stop.is_set():
+                content = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(20, 40)))
+                started, error = time.monotonic(), None
+                try:
+                    reply = client.post(self.url + "/v1/chat/completions", json={
+                        "model": self.model, "max_tokens": 4, "temperature": 0,
+                        "messages": [{"role": "user", "content": content}]})
+                    if reply.status_code != 200 or not reply.json()["choices"]:
+                        error = f"{reply.status_code}: {reply.text[:300]}"
+                except httpx.HTTPError as exc:
+                    error = f"{type(exc).__name__}: {exc}"
+                self.outcomes.append(Outcome(started, time.monotonic(), error))
+                if error is not None:
+                    time.sleep(0.05)  # the router is down: do not spin
+
+    def failures(self, since: float = float("-inf"), until: float = float("inf")) -> list[Outcome]:
+        """Failed requests sent in [since, until)."""
+        return [o for o in list(self.outcomes) if o.error is not None and since <= o.started < until]
+
+    def num_served(self, since: float) -> int:
+        return sum(1 for o in list(self.outcomes) if o.error is None and o.started >= since)
+
+    def wait_for(self, num_requests: int, since: float, timeout_s: float = 60.0) -> None:
+        """Until ``num_requests`` sent since ``since`` have finished, served or not."""
+        deadline = time.monotonic() + timeout_s
+        while sum(1 for o in list(self.outcomes) if o.started >= since) < num_requests:
+            assert time.monotonic() < deadline, f"fewer than {num_requests} requests finished in {timeout_s} s"
+            time.sleep(0.05)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -15,7 +14,7 @@ import pytest
 import redis
 
 from services.launcher import free_port
-from tests.cluster import RunningCluster, running_cluster
+from tests.cluster import RunningCluster, SteadyLoad, running_cluster
 from tests.factories import random_prompts
 from tests.integration.test_kvstore_cluster import BLOCK, complete, wait_stored
 
@@ -65,60 +64,6 @@ def own_redis(redis_url, tmp_path):
     server.kill()
 
 
-class Load:
-    """Small chat completions sent back to back by a few threads; every outcome is kept as
-    (when it was sent, HTTP status or the exception)."""
-
-    def __init__(self, url: str, key: str | None = None, num_threads: int = 2) -> None:
-        self.url, self.key = url, key
-        self.model = model_name(url, self._headers())
-        self.outcomes: list[tuple[float, int | str]] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._send, args=(i,), daemon=True) for i in range(num_threads)]
-        self._lock = threading.Lock()
-
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
-
-    def _send(self, thread: int) -> None:
-        with httpx.Client(timeout=60, headers=self._headers()) as client:
-            for i in range(10**9):
-                if self._stop.is_set():
-                    return
-                body = {"model": self.model, "max_tokens": 4, "temperature": 0,
-                        "messages": [{"role": "user", "content": f"Thread {thread} asks question {i}. " * 3}]}
-                sent_at = time.monotonic()
-                try:
-                    outcome: int | str = client.post(self.url + "/v1/chat/completions", json=body).status_code
-                except httpx.HTTPError as exc:
-                    outcome = repr(exc)
-                with self._lock:
-                    self.outcomes.append((sent_at, outcome))
-
-    def __enter__(self) -> Load:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(120)
-
-    def num_done_since(self, since: float) -> int:
-        with self._lock:
-            return sum(1 for sent_at, _ in self.outcomes if sent_at >= since)
-
-    def wait_for(self, num_requests: int, since: float, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.num_done_since(since) < num_requests:
-            assert time.monotonic() < deadline, f"fewer than {num_requests} requests finished in {timeout_s} s"
-            time.sleep(0.05)
-
-    def failures(self) -> list[tuple[float, int | str]]:
-        return [(at, outcome) for at, outcome in self.outcomes if outcome != 200]
-
-
 def model_name(url: str, headers: dict[str, str]) -> str:
     return httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
 
@@ -136,7 +81,7 @@ def pids(cluster: RunningCluster) -> dict[str, int | None]:
     return {c.name: c.process.pid if c.process.poll() is None else None for c in cluster.cluster.children}
 
 
-def outage_under(load: Load, server: RedisProcess, cluster: RunningCluster, during=None) -> None:
+def outage_under(load: SteadyLoad, server: RedisProcess, cluster: RunningCluster, during=None) -> None:
     """Kill Redis while ``load`` runs, keep it down OUTAGE_S (``during()`` runs then), start it
     again, and return once both store nodes found it back and more requests have passed."""
     before = pids(cluster)
@@ -161,7 +106,7 @@ def test_no_request_fails_without_keys_and_the_store_recovers(tiny_chat_model_di
     with running_cluster(str(tiny_chat_model_dir), encoders=0, prefills=2, decodes=1, kv_cache_gib=0.05,
                          max_num_batched_tokens=64, device="cpu", kvstores=2, redis=own_redis.url,
                          kvstore_replicas=2, prefill_policy="round_robin") as cluster:
-        with Load(cluster.url) as load:
+        with SteadyLoad(cluster.url, model=model_name(cluster.url, {})) as load:
             outage_under(load, own_redis, cluster)
         assert load.failures() == [] and len(load.outcomes) >= 12
         assert cluster.metric("kvstore", "epd_redis_outages_total") >= 2  # each node saw it
@@ -229,7 +174,7 @@ def test_with_keys_fail_open_fails_no_request_and_fail_closed_answers_503(tiny_c
                     reply = httpx.post(closed_url + "/v1/chat/completions", json=chat, headers=headers, timeout=60)
                     refusals.append(reply)
 
-            with Load(cluster.url, KEY) as load:
+            with SteadyLoad(cluster.url, headers=headers, model=model_name(cluster.url, headers)) as load:
                 outage_under(load, own_redis, cluster, during=while_down)
             assert load.failures() == [] and len(load.outcomes) >= 12
             for reply in refusals:

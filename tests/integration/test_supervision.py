@@ -6,22 +6,18 @@ router's own restart excepted: while it is down nobody can connect)."""
 from __future__ import annotations
 
 import os
-import random
 import signal
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import grpc
 import httpx
 import pytest
 
 from services.pb import kvstore_pb2, kvstore_pb2_grpc
-from tests.cluster import RunningCluster, running_cluster
+from tests.cluster import RunningCluster, SteadyLoad, running_cluster
 
 TOKEN = "test-admin-token"
-WORDS = "river stone cloud lamp garden winter copper violin meadow harbor lantern orchard".split()
 RECOVERY_S = 60.0
 """Generous bound on a restart (model load included) for a shared, busy test machine."""
 LEASE_TTL_S = 5.0
@@ -38,62 +34,6 @@ def cluster(tiny_chat_model_dir):
                              device="cpu", prefill_policy="round_robin", decode_policy="round_robin",
                              admin_token=TOKEN) as running:
             yield running
-
-
-@dataclass
-class Outcome:
-    started: float
-    ended: float
-    error: str | None
-    """None: a 200 with a choice; else what went wrong."""
-
-
-@dataclass
-class SteadyLoad:
-    """New non-streaming chat requests, back to back from ``num_threads`` threads, each with
-    its own prompt (so new blocks keep reaching the store nodes)."""
-
-    url: str
-    num_threads: int = 2
-    outcomes: list[Outcome] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _threads: list[threading.Thread] = field(default_factory=list)
-
-    def __enter__(self) -> SteadyLoad:
-        self._threads = [threading.Thread(target=self._send, args=(seed,), daemon=True) for seed in range(self.num_threads)]
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join()
-
-    def _send(self, seed: int) -> None:
-        rng = random.Random(seed * 7919 + int(time.monotonic() * 1000))
-        with httpx.Client(timeout=30) as client:
-            while not self._stop.is_set():
-                content = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(20, 40)))
-                started, error = time.monotonic(), None
-                try:
-                    reply = client.post(self.url + "/v1/chat/completions", json={
-                        "model": "tiny-chat0", "max_tokens": 4, "temperature": 0,
-                        "messages": [{"role": "user", "content": content}]})
-                    if reply.status_code != 200 or not reply.json()["choices"]:
-                        error = f"{reply.status_code}: {reply.text[:300]}"
-                except httpx.HTTPError as exc:
-                    error = f"{type(exc).__name__}: {exc}"
-                self.outcomes.append(Outcome(started, time.monotonic(), error))
-                if error is not None:
-                    time.sleep(0.05)  # the router is down: do not spin
-
-    def failures(self, since: float = float("-inf"), until: float = float("inf")) -> list[Outcome]:
-        """Failed requests sent in [since, until)."""
-        return [o for o in list(self.outcomes) if o.error is not None and since <= o.started < until]
-
-    def num_served(self, since: float) -> int:
-        return sum(1 for o in list(self.outcomes) if o.error is None and o.started >= since)
 
 
 def admin(cluster: RunningCluster, path: str) -> httpx.Response:
