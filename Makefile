@@ -34,6 +34,7 @@ bench: setup
 	$(BIN)/python benchmarks/store_io.py
 	$(BIN)/python benchmarks/prefix_cache.py
 	$(BIN)/python benchmarks/structured_overhead.py
+	$(BIN)/python benchmarks/chaos.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
