@@ -2,7 +2,7 @@
 
 Usage:
     epd up [--prefills N] [--decodes N] [--encoders N] [--port 8000] ...   (the local cluster)
-    epd admin instances | drain ID | undrain ID | policies | policy ROLE NAME | buckets ... | keys ...
+    epd admin instances | router | drain ID | undrain ID | policies | policy ROLE NAME | buckets ... | keys ...
     epd chat "message" [--model M] [--max-tokens N] [--temperature T] [--seed S]
     epd generate "prompt" [--model M] [--max-tokens N] [--temperature T] [--seed S]
 
