@@ -11,7 +11,7 @@ Life cycle of one child::
 
 A restart that does not come up (it exits, or is not healthy within the startup timeout and is
 killed) is one more death: the back-off doubles and it is tried again, forever. The number of
-restarts goes to the child in EPD_RESTART_COUNT (``services.common.server.restart_count``), which
+restarts goes to the child in EPD_RESTART_COUNT (``services.common.metrics.restart_count``), which
 it shows on /metrics and in its load report. Nothing else is stopped or restarted: the router
 finds a restarted instance on its own (its load stream reconnects) and an instance finds a
 restarted store node on its own (gRPC channels reconnect). Only the owner of the supervision
@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvstore.transfer.memory import SHM_PREFIX
-from services.common.server import RESTART_COUNT_ENV, check_health
+from services.common.metrics import RESTART_COUNT_ENV
+from services.common.server import check_health
 
 logger = logging.getLogger("epd.up")
 SHM_DIR = "/dev/shm"  # where MemoryRegion puts KV pools by default

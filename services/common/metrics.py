@@ -8,6 +8,7 @@ prometheus_client's duplicate-registration error. Name metrics ``epd_<service>_<
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -53,3 +54,21 @@ def _get_or_create(kind: type[M], name: str, documentation: str, labelnames: Seq
         raise RuntimeError(f"metric {name} already exists as {type(existing).__name__}"
                            f"{existing._labelnames}; asked for {kind.__name__}{tuple(labelnames)}")
     return existing  # type: ignore[return-value]
+
+
+RESTART_COUNT_ENV = "EPD_RESTART_COUNT"
+"""Set by the supervisor (``epd up``) on each process it starts: how often it restarted that one."""
+
+
+def restart_count() -> int:
+    """This process's EPD_RESTART_COUNT (0 when not supervised, or under Kubernetes, which keeps
+    its own count: the pod's restartCount)."""
+    try:
+        return max(0, int(os.environ.get(RESTART_COUNT_ENV, "0")))
+    except ValueError:
+        return 0
+
+
+# Every service imports this module (the router too), so every /metrics shows it.
+gauge("epd_process_restarts", f"Times the supervisor (epd up) restarted this process: its {RESTART_COUNT_ENV}."
+      ).set(restart_count())

@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import os
 import signal
 import threading
 from abc import ABC, abstractmethod
@@ -70,22 +69,6 @@ _STOP_GRACE_S = 1.0
 """server.stop()'s grace once our own drain is done: time to flush the last responses."""
 
 IN_FLIGHT = metrics.gauge("epd_grpc_requests_in_flight", "RPCs being served now (health excluded).")
-RESTART_COUNT_ENV = "EPD_RESTART_COUNT"
-"""Set by the supervisor (``epd up``) on each process it starts: how often it restarted that one."""
-
-
-def restart_count() -> int:
-    """This process's EPD_RESTART_COUNT (0 when not supervised, or under Kubernetes, which keeps
-    its own count: the pod's restartCount)."""
-    try:
-        return max(0, int(os.environ.get(RESTART_COUNT_ENV, "0")))
-    except ValueError:
-        return 0
-
-
-# Every service imports this module (the router too), so every /metrics shows it.
-metrics.gauge("epd_process_restarts", "Times the supervisor (epd up) restarted this process: its "
-              f"{RESTART_COUNT_ENV}.").set(restart_count())
 
 
 @dataclass(frozen=True)

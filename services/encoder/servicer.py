@@ -10,7 +10,8 @@ import asyncio
 import hashlib
 
 from services.common.errors import InvalidRequestError
-from services.common.server import LoadRpcs, restart_count
+from services.common.metrics import restart_count
+from services.common.server import LoadRpcs
 from services.common.wire import LoadReport
 from services.encoder.worker import EncoderWorker, to_bytes
 from services.pb import common_pb2, encoder_pb2, encoder_pb2_grpc

@@ -21,7 +21,8 @@ import torch
 from kvstore.transfer.engine import TransferEngine
 from kvstore.transfer.memory import MemoryRegion
 from services.common.config import check
-from services.common.server import ServerOptions, restart_count, serve
+from services.common.metrics import restart_count
+from services.common.server import ServerOptions, serve
 from services.common.errors import InvalidRequestError
 from services.common.wire import LoadReport, ModelInfo, RequestSpec, TensorBytes
 from services.engine.async_engine import AsyncEngine

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict
 
-from services.common.server import restart_count
+from services.common.metrics import restart_count
 from services.router.admin_keys import add_key_routes
 from services.router.auth import KeyStore
 from services.router.instances import InstancePool

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.server import RESTART_COUNT_ENV, restart_count
+from services.common.metrics import RESTART_COUNT_ENV, restart_count
 from services.common.wire import LoadReport, load_from_proto, load_to_proto
 from services.launcher import free_port
 from services.supervisor import Backoff, BackgroundSupervision, Child, ChildFailed, Probe, Supervisor
