@@ -84,10 +84,25 @@ class ClusterBackend:
         return (self.prefills, self.decodes, self.encoders)
 
     async def connect(self, timeout_s: float = 60.0) -> None:
-        """Learn the model (name, limits, tokenizer) from a prefill instance (waiting for one to
-        come up: it may still be loading the model), then follow every instance's load."""
-        msg = await self.prefills.instances[0].stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout_s,
-                                                                 wait_for_ready=True)
+        """Learn the model (name, limits, tokenizer) from whichever engine instance answers first
+        (waiting for one to come up: they may still be loading the model, or one may be down
+        while this router restarts), then follow every instance's load."""
+        asking = [asyncio.ensure_future(i.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout_s,
+                                                            wait_for_ready=True))
+                  for i in (*self.prefills.instances, *self.decodes.instances)]
+        try:
+            for answer in asyncio.as_completed(asking):
+                try:
+                    msg = await answer
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    error = exc
+            else:
+                raise error
+        finally:
+            for task in asking:
+                task.cancel()
+            await asyncio.gather(*asking, return_exceptions=True)
         self.info = info = model_info_from_proto(msg)
         if info.tokenizer_json:
             self.tokenizer = Tokenizer(BackendTokenizer.from_str(info.tokenizer_json),

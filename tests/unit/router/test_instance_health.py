@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import httpx
 
 from services.common.wire import LoadReport
@@ -105,5 +106,34 @@ def test_the_admin_api_marks_a_report_that_stopped_coming_as_stale():
             assert stale["report_age_s"] >= 30 and stale["load"] is not None
         finally:
             await pool.close()
+
+    asyncio.run(main())
+
+
+def test_the_router_learns_the_model_from_whichever_instance_answers():
+    """A router (re)started while its first prefill instance is down still comes up."""
+    from services.common.wire import ModelInfo, model_info_to_proto
+    from services.launcher import free_port
+    from services.pb import decode_pb2_grpc
+
+    class Decode(decode_pb2_grpc.DecodeServicer):
+        async def GetModelInfo(self, request, context):
+            return model_info_to_proto(ModelInfo(model_name="m", max_model_len=64, vocab_size=10, block_size=16,
+                                                 eos_token_ids=(2,), tokenizer_json="", tokenizer_config_json="{}",
+                                                 image_token_id=None, hidden_size=8))
+
+    async def main():
+        server = grpc.aio.server()
+        decode_pb2_grpc.add_DecodeServicer_to_server(Decode(), server)
+        live = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        dead = f"127.0.0.1:{free_port('127.0.0.1')}"
+        backend = ClusterBackend((dead,), (live,))
+        try:
+            await asyncio.wait_for(backend.connect(timeout_s=30), 10)
+            assert backend.model_name == "m" and backend.max_model_len == 64
+        finally:
+            await backend.close()
+            await server.stop(None)
 
     asyncio.run(main())
