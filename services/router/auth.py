@@ -130,10 +130,14 @@ class KeyStore(Protocol):
 async def seed(store: KeyStore, entries: tuple[str, ...], clock=time.time) -> int:
     """Add the configured plaintext keys that the store lacks; how many were added."""
     added = 0
-    for entry in entries:
-        tenant, key = parse_config_key(entry)
-        added += await store.add(ApiKey(hash_key(key), tenant, created_at=clock()))
+    for key in configured_keys(entries, clock):
+        added += await store.add(key)
     return added
+
+
+def configured_keys(entries: tuple[str, ...], clock=time.time) -> list[ApiKey]:
+    """The records of configured plaintext keys (KEY or TENANT:KEY); ValueError for a bad one."""
+    return [ApiKey(hash_key(key), tenant, created_at=clock()) for tenant, key in map(parse_config_key, entries)]
 
 
 def only_match(keys: list[ApiKey], id_prefix: str) -> ApiKey:

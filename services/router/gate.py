@@ -37,7 +37,8 @@ from starlette.middleware import Middleware
 from services.common import metrics
 from services.common.config import ConfigError
 from services.common.errors import EPDError
-from services.router.auth import ApiKey, FileKeyStore, KeyStore, hash_key, seed
+from services.common.metrics import restart_count
+from services.router.auth import ApiKey, FileKeyStore, KeyStore, configured_keys, hash_key
 from services.router.config import RouterConfig
 from services.router.errors import error_body_for
 from services.router.limits import Lease, Limiter, Limits, LocalLimiter, Refusal
@@ -292,12 +293,21 @@ async def build_gate(config: RouterConfig) -> Gate:
             raise ConfigError(f"--api-keys-file / EPD_ROUTER_API_KEYS_FILE: {exc}", "api_keys_file") from None
     try:
         try:
-            await seed(store, config.api_keys)
-            has_keys = await store.has_keys()
+            configured = configured_keys(config.api_keys)
         except ValueError as exc:  # not ConfigError's "(got ...)": that would print the keys
             raise ConfigError(f"--api-keys / EPD_ROUTER_API_KEYS: {exc}", "api_keys") from None
-        except EPDError as exc:  # Redis unreachable: most likely a wrong URL
-            raise ConfigError(f"--redis-url / EPD_ROUTER_REDIS_URL: {exc}", "redis_url") from None
+        try:
+            for key in configured:
+                await store.add(key)
+            has_keys = await store.has_keys()
+        except EPDError as exc:  # Redis unreachable
+            if not (config.redis_url and restart_count()):  # a first start: most likely a wrong URL
+                raise ConfigError(f"--redis-url / EPD_ROUTER_REDIS_URL: {exc}", "redis_url") from None
+            # Restarted by its supervisor during an outage: serve what can be served.
+            logger.warning("Redis is unreachable (%s): serving without it until it answers (the configured "
+                           "keys work; other keys, and every request if none is configured, get 503)", exc)
+            store.start_unreachable(configured)
+            has_keys = bool(configured)
         is_open = open_without_keys(config.host, has_keys, store.is_persistent, config.allow_unauthenticated)
     except BaseException:
         await Gate(store, limiter).close()

@@ -9,6 +9,9 @@ What a request asks of Redis::
     a key seen >= ttl_s   its record, afresh; Redis down: the cached record answers
     a key never seen      its record; Redis down: 503 "cannot verify" (UnavailableError)
 
+A router restarted while Redis is down (:meth:`CachedKeyStore.start_unreachable`) serves the
+keys it is configured with from the cache and writes them to Redis once it answers.
+
 So a revoke reaches every router within ttl_s while Redis is up, and keys that were in use keep
 working while it is down. Only records that exist are cached (the keys an operator made: a
 bounded set); an unknown key is asked about every time, as before. Keys added or revoked through
@@ -42,6 +45,7 @@ class CachedKeyStore:
         self._has_keys: bool | None = None  # None: not asked yet
         self._has_keys_at = float("-inf")
         self._refreshing: asyncio.Future | None = None
+        self._seeding: asyncio.Future | None = None
 
     async def find(self, sha256: str) -> ApiKey | None:
         cached = self._keys.get(sha256)
@@ -70,6 +74,25 @@ class CachedKeyStore:
             self._refreshing = asyncio.ensure_future(self._refresh_has_keys())
         return self._has_keys
 
+    def start_unreachable(self, configured: list[ApiKey], retry_s: float = 1.0) -> None:
+        """The store could not be reached when this router started (a restart during an
+        outage): the configured keys work from the cache and are written to the store once it
+        answers. Keys are required meanwhile if any is configured; with none, whether the store
+        holds any is unknown, so each request asks it (503 while it cannot answer)."""
+        for key in configured:
+            self._remember(key, self.clock())
+        if configured:
+            self._seeding = asyncio.ensure_future(self._seed_when_back(configured, retry_s))
+
+    async def _seed_when_back(self, configured: list[ApiKey], retry_s: float) -> None:
+        while True:
+            try:
+                for key in configured:
+                    await self.store.add(key)
+                return
+            except EPDError:
+                await asyncio.sleep(retry_s)
+
     async def add(self, key: ApiKey) -> bool:
         is_added = await self.store.add(key)
         if is_added:
@@ -85,10 +108,11 @@ class CachedKeyStore:
         return key
 
     async def close(self) -> None:
-        if self._refreshing is not None:
-            self._refreshing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refreshing
+        for task in (self._refreshing, self._seeding):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         close = getattr(self.store, "close", None)
         if close is not None:
             await close()

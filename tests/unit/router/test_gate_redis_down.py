@@ -245,3 +245,48 @@ def test_the_redis_failure_settings_are_flags_and_env_vars():
         parse_config(RouterConfig, ["--limits-on-redis-failure", "open"], "router", env={})
     with pytest.raises(ConfigError, match="--key-cache-ttl-s / EPD_ROUTER_KEY_CACHE_TTL_S: must be > 0"):
         parse_config(RouterConfig, ["--key-cache-ttl-s", "0"], "router", env={})
+
+
+def test_a_router_restarted_while_redis_is_down_starts_and_serves_its_configured_keys(monkeypatch, redis_url):
+    """At a first start an unreachable Redis is most likely a wrong URL: the router refuses to
+    start. Restarted by its supervisor (EPD_RESTART_COUNT), it is an outage: it starts, its
+    configured keys work, other keys and (without keys) every caller get 503 until Redis
+    answers, and then the configured keys are written there."""
+    import redis as redis_py
+
+    from services.common.metrics import RESTART_COUNT_ENV
+    from services.router.gate import build_gate
+    from tests.unit.router.gate_fakes import Call
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+    with pytest.raises(ConfigError, match="--redis-url"):
+        asyncio.run(build_gate(RouterConfig(redis_url=dead, api_keys=(f"acme:{GOOD}",))))
+    monkeypatch.setenv(RESTART_COUNT_ENV, "1")
+
+    async def restarted(url: str, keys: tuple[str, ...]) -> list[int]:
+        gate = await build_gate(RouterConfig(redis_url=url, api_keys=keys))
+        try:
+            app = TinyApp(gate).app()
+            statuses = [(await Call(app, "/v1/chat/completions", bearer(key) if key else {}, b"{}").run()).status
+                        for key in (GOOD, OTHER, None)]
+            if url != dead:  # Redis is there: the configured key reaches it by itself
+                for _ in range(50):
+                    if await gate.store.store.find(hash_key(GOOD)) is not None:
+                        break
+                    await asyncio.sleep(0.1)
+            return statuses
+        finally:
+            await gate.close()
+
+    assert asyncio.run(restarted(dead, (f"acme:{GOOD}",))) == [200, 503, 401]
+    assert asyncio.run(restarted(dead, ())) == [503, 503, 503]
+    client = redis_py.Redis.from_url(redis_url)
+    try:
+        client.flushdb()
+        assert asyncio.run(restarted(redis_url, (f"acme:{GOOD}",))) == [200, 401, 401]
+        assert any(b"router" in k for k in client.keys("*"))
+    finally:
+        client.flushdb()
+        client.close()
