@@ -33,6 +33,10 @@ CASES = {
     "json-schema": {"temperature": 0, "max_tokens": 1200,
                     "response_format": {"type": "json_schema", "json_schema": {"name": "story", "schema": SCHEMA}}},
     "n=2": {"temperature": 0.8, "top_k": 20, "seed": 99, "n": 2, "max_tokens": 1200, "ignore_eos": True},
+    "penalties-logprobs-stop": {"temperature": 0.7, "top_k": 20, "seed": 5, "presence_penalty": 0.6,
+                                "frequency_penalty": 0.4, "repetition_penalty": 1.1, "logprobs": True,
+                                "top_logprobs": 2, "stop": ["lighthouse keeper"], "max_tokens": 1200,
+                                "ignore_eos": True},
 }
 
 
@@ -52,10 +56,11 @@ def body(case: str) -> dict:
             "stream_options": {"include_usage": True}, **CASES[case]}
 
 
-def stream(url: str, request: dict, after_tokens=None) -> tuple[dict[int, str], dict, list[str]]:
-    """(text per choice, usage, finish reasons) of one streamed chat completion;
+def stream(url: str, request: dict, after_tokens=None) -> tuple[dict[int, str], dict, list[str], list[tuple]]:
+    """(text per choice, usage, finish reasons, logprobs) of one streamed chat completion;
     ``after_tokens(n)`` is called once the stream has brought n > AFTER_CHUNKS content chunks."""
     texts: dict[int, str] = {}
+    logprobs: list[tuple] = []
     usage, finishes, num_chunks, called = {}, [], 0, False
     with httpx.stream("POST", url + "/v1/chat/completions", json=request, timeout=120) as response:
         assert response.status_code == 200, response.read()
@@ -68,13 +73,18 @@ def stream(url: str, request: dict, after_tokens=None) -> tuple[dict[int, str], 
                 usage = {k: v for k, v in event["usage"].items() if k != "prompt_tokens_details"}
             for choice in event["choices"]:
                 texts[choice["index"]] = texts.get(choice["index"], "") + (choice["delta"].get("content") or "")
+                for entry in (choice.get("logprobs") or {}).get("content") or ():
+                    # The tokens and their alternatives; the values to 3 places (a recomputed tail
+                    # may sum in another order than the decode steps it replaces).
+                    logprobs.append((entry["token"], round(entry["logprob"], 3),
+                                     tuple(top["token"] for top in entry["top_logprobs"])))
                 num_chunks += 1
                 if choice.get("finish_reason"):
                     finishes.append(choice["finish_reason"])
             if after_tokens is not None and not called and num_chunks > AFTER_CHUNKS:
                 called = True
                 after_tokens(num_chunks)
-    return texts, usage, finishes
+    return texts, usage, finishes, logprobs
 
 
 def serving_decode(cluster):
@@ -115,6 +125,7 @@ def test_a_killed_decode_mid_stream_resumes_token_identical(cluster, case):
     wait_for_decodes(cluster)
     undisturbed = stream(cluster.url, body(case))
     assert len(undisturbed[2]) == CASES[case].get("n", 1)
+    assert bool(undisturbed[3]) is bool(CASES[case].get("logprobs"))
     moved_before = router_metric(cluster, "epd_router_migrations_total", outcome="moved")
     decodes = [c.name for c in cluster.cluster.children if c.name.startswith("decode")]
     cached_before = {name: resumed(cluster, name) for name in decodes}
