@@ -25,11 +25,14 @@ def test_sigterm_drains_a_decode_instance(tiny_chat_model_dir):
             busy = [r.instance_id for r in cluster.loads() if r.role == "decode" and r.num_running == 1]
             assert len(busy) == 1
             draining = next(c for c in cluster.cluster.children if c.name == busy[0])
+            other = next(c.name for c in cluster.cluster.children if c.name.startswith("decode") and c is not draining)
+            taken_before = cluster.metric(other, "epd_kv_transfers_total")
             draining.process.send_signal(signal.SIGTERM)
-            # While it drains, new requests still succeed: the router skips the draining instance.
+            # While it drains, new requests still succeed: the router sends them to the other one.
             others = [httpx.post(cluster.url + "/v1/completions", timeout=60, json={
                 "model": "tiny-chat0", "prompt": "Hello", "max_tokens": 3}) for _ in range(4)]
             assert [r.status_code for r in others] == [200] * 4
+            assert cluster.metric(other, "epd_kv_transfers_total") == taken_before + 4
             events = [json.loads(line.removeprefix("data: ")) for line in lines
                       if line.startswith("data: {")]
         # The stream it was serving ran to its end.

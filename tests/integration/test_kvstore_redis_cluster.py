@@ -24,8 +24,11 @@ def test_two_replicas_on_redis_survive_the_loss_of_a_node(tiny_chat_model_dir, r
             victim = next(c for c in cluster.cluster.children if c.name == "kvstore-0")
             victim.process.kill()
             victim.process.wait()
+            hits_before = cluster.metric("prefill", "epd_kv_store_hit_blocks_total")
             second, cached = complete(cluster, prompt)  # the other prefill: its hits come from kvstore-1
             assert second == first and cached >= len(prompt) - 1 - BLOCK
+            # ... read from the store, not from the first prefill's own prefix cache.
+            assert cluster.metric("prefill", "epd_kv_store_hit_blocks_total") >= hits_before + cached // BLOCK
             assert cluster.leftovers() == []
         finally:
             redis.Redis.from_url(redis_url).flushdb()
