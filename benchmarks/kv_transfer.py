@@ -13,9 +13,12 @@ not share the reader's GIL. Every transport read includes the checksum check of 
 Baselines, same bytes, same run: ``memcpy`` is the shm transport's copy primitive at its best
 (np.copyto of the whole 64 MiB split over the same copy threads, no checksum) from the same
 mapping of the owner's region file into the same destination; ``torch_copy`` is one torch
-``copy_`` between anonymous (huge-page) buffers, for reference; ``socket`` is a raw socket
-(child ``sendall`` of the 64 MiB, parent ``recv_into`` a preallocated buffer, same socket
-options). After one warm-up each, the
+``copy_`` between anonymous (huge-page) buffers, for reference; ``socket`` is a raw loopback
+TCP socket (child ``sendall`` of the 64 MiB, parent ``recv_into`` a preallocated buffer with
+MSG_WAITALL), set up by the tcp transport's own ``wire.tune`` on both ends: blocking, kernel
+timeouts (SO_RCVTIMEO / SO_SNDTIMEO, the transport's timeout), TCP_NODELAY, 4 MiB buffers. (A
+Python socket timeout would make it non-blocking and split each read into many small ones,
+which the transport avoids.) After one warm-up each, the
 ``--reps`` runs go round-robin over all columns so other load on the machine hits them alike;
 headline numbers and ratios use each column's best run, medians are printed too. Mooncake (its
 TCP protocol) and NIXL (UCX backend, which picks shared memory on one host) columns are filled
@@ -24,6 +27,7 @@ run after the main columns (their progress threads would load the cores the othe
 Last line: JSON (goals: shm_vs_memcpy >= 0.6, tcp_vs_socket >= 0.7).
 
     python benchmarks/kv_transfer.py [--target-mib 64] [--prompt-tokens N] [--reps 7]
+    python benchmarks/kv_transfer.py --quick    # 4 MiB, 2 reps: every column runs, figures meaningless
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ from kvstore.transfer import (  # noqa: E402
 os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's glog: warnings and up only
 OWNER_LINE = "OWNER "
 NUM_COPY_THREADS = min(4, os.cpu_count() or 1)  # what the shm transport uses by default
+TIMEOUT_S = 10.0  # both transfer engines' and the raw socket's (the transport's default)
+SOCKET_SETUP = (f"wire.tune on both ends: blocking, SO_RCVTIMEO/SO_SNDTIMEO {TIMEOUT_S:g} s, TCP_NODELAY, "
+                f"{wire.SOCKET_BUFFER_BYTES >> 20} MiB buffers")
 
 
 def log(message: str) -> None:
@@ -69,7 +76,7 @@ def owner_main() -> None:
     view, got = memoryview(region.buffer), 0
     while got < len(view):
         got += sys.stdin.buffer.readinto(view[got:])
-    engine = TransferEngine()
+    engine = TransferEngine(timeout_s=TIMEOUT_S)
     engine.register(region)
     block_bytes = setup["block_bytes"]
     ranges = [(i, block_bytes) for i in range(0, setup["num_bytes"], block_bytes)]
@@ -88,18 +95,11 @@ def owner_main() -> None:
     region.close()
 
 
-def tune_raw(sock: socket.socket, is_receiver: bool) -> None:
-    """The same socket options the tcp transport sets (wire.tune), minus the timeouts."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    option = socket.SO_RCVBUF if is_receiver else socket.SO_SNDBUF
-    sock.setsockopt(socket.SOL_SOCKET, option, wire.SOCKET_BUFFER_BYTES)
-
-
 def serve_raw(listener: socket.socket, data: memoryview) -> None:
     """Per byte received, send the whole buffer back; one client at a time."""
     while True:
         conn, _ = listener.accept()
-        tune_raw(conn, is_receiver=False)
+        wire.tune(conn, TIMEOUT_S, is_receiver=False)  # as the transport's data server does
         with conn:
             while conn.recv(1):
                 conn.sendall(data)
@@ -242,7 +242,10 @@ def transport_run(engine: TransferEngine, handle: KVHandle, dests: list, name: s
 
 
 def socket_run(conn: socket.socket, dst: np.ndarray) -> Run:
-    tune_raw(conn, is_receiver=True)
+    # As the tcp transport's reader does: connect with a timeout, then wire.tune, which makes the
+    # socket blocking again (timeouts in the kernel), so one MSG_WAITALL call fills the buffer.
+    wire.tune(conn, TIMEOUT_S, is_receiver=True)
+    assert conn.getblocking(), "the raw socket must be blocking, like the transport's"
     view = memoryview(dst)
 
     def run() -> None:
@@ -313,10 +316,13 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=None,
                         help="default: enough tokens to fill --target-mib with computed blocks")
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 4 MiB, 2 reps (overrides both)")
     args = parser.parse_args()
     if args.owner:
         owner_main()
         return
+    if args.quick:
+        args.target_mib, args.reps = 4.0, 2
 
     blocks, note = fill_kv_blocks(int(args.target_mib * 2**20), args.prompt_tokens)
     log(note)
@@ -330,10 +336,10 @@ def main() -> None:
 
 
 def measure(child: subprocess.Popen, info: dict, source: np.ndarray, reps: int) -> dict[str, list[float] | None]:
-    reader = TransferEngine()
+    reader = TransferEngine(timeout_s=TIMEOUT_S)
     dest = MemoryRegion.allocate(len(source), shm=False)
     pool = ThreadPoolExecutor(NUM_COPY_THREADS)
-    conn = socket.create_connection(("127.0.0.1", info["socket_port"]), timeout=60)
+    conn = socket.create_connection(("127.0.0.1", info["socket_port"]), timeout=TIMEOUT_S)
     handle = handle_from_dict(info["handle"])
     dests = [dest.buffer[b.offset:b.offset + b.length] for b in handle.blocks]
     try:
@@ -369,6 +375,7 @@ def measure(child: subprocess.Popen, info: dict, source: np.ndarray, reps: int) 
 
 
 def report(results: dict[str, list[float] | None], num_bytes: int, reps: int) -> None:
+    log(f"socket and tcp: loopback TCP, {SOCKET_SETUP}")
     for name, times in results.items():
         if times is not None:
             log(f"{name:>13}: best {gbps(num_bytes, times):6.2f} GB/s, median "
@@ -382,6 +389,7 @@ def report(results: dict[str, list[float] | None], num_bytes: int, reps: int) ->
         "tcp_vs_socket": round(best["tcp_gbps"] / best["socket_gbps"], 3),
         **medians,
         "num_bytes": num_bytes,
+        "socket_setup": SOCKET_SETUP,
         "stat": f"best of {reps} (after 1 warm-up)",
     }))
 
