@@ -53,8 +53,10 @@ class UpConfig:
 
     model: str = ""
     """Model name, GGUF file or Hugging Face directory; empty: SmolLM2-135M-Instruct."""
-    encoders: int = 1
-    """Encoder instances (images in chat messages)."""
+    encoders: int | None = None
+    """Encoder instances (images in messages); none: auto, one for a model with a vision tower
+    and none otherwise, so a text-only model answers images with a 400. No model the engine loads
+    has one yet, and an encoder's tower is random unless EPD_ENCODER_WEIGHTS names weights."""
     prefills: int = 1
     """Prefill instances."""
     decodes: int = 1
@@ -104,7 +106,7 @@ class UpConfig:
     """The router's API keys file (JSON, hashed keys; created by `epd admin keys create`)."""
 
     def __post_init__(self) -> None:
-        check(self.encoders >= 0, "encoders", "must be >= 0")
+        check(self.encoders is None or self.encoders >= 0, "encoders", "must be >= 0 (none: auto)")
         check(self.prefills >= 1, "prefills", "needs at least one prefill instance")
         check(self.decodes >= 1, "decodes", "needs at least one decode instance")
         check(0 <= self.port <= 65535, "port", "must be in 0..65535")
@@ -113,6 +115,12 @@ class UpConfig:
               "must be between 1 and the number of store nodes")
         check(not (self.api_keys and self.redis), "api_keys", "with --redis the router keeps its keys in "
               "Redis: drop the keys file (give --api-key, or add keys with epd admin keys create)")
+
+    @property
+    def num_encoders(self) -> int:
+        """--encoders, auto resolved: the engine loads only text decoders (services/engine/models:
+        the Llama family, no vision tower), so auto starts none."""
+        return 0 if self.encoders is None else self.encoders
 
     def kvstore_disk_dir(self, node: int) -> str:
         if self.kvstore_dir == "none":
@@ -208,8 +216,11 @@ class Cluster:
         c = self.config
         kvstores = [self._spawn(f"kvstore-{i}", "services.kvstore", self._kvstore_args(i)) for i in range(c.kvstores)]
         await self._wait_healthy(kvstores)
+        if c.num_encoders and not os.environ.get("EPD_ENCODER_WEIGHTS"):
+            logger.warning("the encoders' vision tower is random (no EPD_ENCODER_WEIGHTS): images are "
+                           "accepted, but what the model says about them means nothing")
         encoders = [self._spawn(f"encoder-{i}", "services.encoder", ["--model", c.model] if c.model else [])
-                    for i in range(c.encoders)]
+                    for i in range(c.num_encoders)]
         prefills = [self._spawn(f"prefill-{i}", "services.prefill", self._engine_args(kvstores) + ["--instance-id", f"prefill-{i}"])
                     for i in range(c.prefills)]
         decodes = [self._spawn(f"decode-{i}", "services.decode", self._engine_args(kvstores) + ["--instance-id", f"decode-{i}"])

@@ -7,6 +7,7 @@ that names the field before the request reaches any engine.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from services.common.errors import InvalidRequestError
@@ -17,6 +18,9 @@ INT32_MAX = 2**31 - 1
 """The wire's (proto/common.proto) int32 fields: top_k, max_tokens, min_tokens, stop_token_ids."""
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 """The wire's seed."""
+MAX_LOGIT_BIAS = 100.0
+"""A logit bias is in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range: -100 bans a token, 100
+makes it all but certain)."""
 
 
 @dataclass(frozen=True)
@@ -77,8 +81,17 @@ class SamplingParams:
     """Leave special tokens out of the returned text."""
     structured: StructuredOutput | None = None
     """Constrain the output to a grammar: decode masks every token the grammar does not allow."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs, sorted by id: the bias is added to the token's logit after the
+    grammar mask, before penalties and sampling (a mapping is accepted and sorted)."""
 
     def __post_init__(self) -> None:
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        try:
+            object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"logit_bias={self.logit_bias!r} is invalid: must map token ids "
+                                      f"to numbers") from None
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -124,6 +137,12 @@ class SamplingParams:
             raise bad("stop", "stop strings must be non-empty strings")
         if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"token ids must be integers in [0, {INT32_MAX}]")
+        if any(not 0 <= t <= INT32_MAX for t, _ in self.logit_bias):
+            raise bad("logit_bias", f"token ids must be integers in [0, {INT32_MAX}]")
+        if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias):  # NaN fails too
+            raise bad("logit_bias", f"biases must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise bad("logit_bias", "names a token id twice")
 
     @property
     def is_greedy(self) -> bool:

@@ -95,6 +95,7 @@ def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.logprobs = params.logprobs
     if params.structured is not None:
         msg.structured.kind, msg.structured.spec = params.structured.kind, params.structured.spec
+    msg.logit_bias.update(params.logit_bias)
     return msg
 
 
@@ -105,7 +106,7 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         structured=(StructuredOutput(msg.structured.kind, msg.structured.spec)
                     if msg.HasField("structured") else None),
         stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-        skip_special_tokens=msg.skip_special_tokens,
+        skip_special_tokens=msg.skip_special_tokens, logit_bias=dict(msg.logit_bias),
         **{name: getattr(msg, name) for name in _FLOAT_FIELDS + _INT_FIELDS})
 
 

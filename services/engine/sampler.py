@@ -8,6 +8,9 @@ Every stage runs only over the rows that need it, and is skipped when none does:
     grammar bitmask (constrained rows) ─► disallowed ids → -inf
         │
         ▼
+    logit_bias ─► + bias on the named ids (a disallowed id stays -inf)
+        │
+        ▼
     penalties (repetition, frequency, presence) ─► suppressed ids → -inf
         │
         ├─ greedy rows ─► argmax
@@ -64,11 +67,13 @@ class Sampler:
         """``bitmask``: the tokens the grammar allows in the constrained rows (None: no row is)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         device = logits.device
-        edits = bitmask is not None or any(_has_penalty(r.params) or r.suppressed_token_ids for r in rows)
+        edits = bitmask is not None or any(_has_penalty(r.params) or r.suppressed_token_ids or r.params.logit_bias
+                                           for r in rows)
         # Copy only when editing in place: the raw logits are still needed for logprobs.
         x = logits.to(torch.float32, copy=edits)
         if bitmask is not None:
             bitmask.apply_(x)  # first: penalties, greedy and sampling see only what the grammar allows
+        _apply_logit_bias(x, rows)
         _apply_penalties(x, rows)
         _apply_suppression(x, rows)
 
@@ -136,6 +141,16 @@ def _apply_penalties(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     if any(p.presence_penalty != 0.0 for p in params):
         sub -= _column([p.presence_penalty for p in params], device) * (output_counts > 0)
     x[_index(picked, device)] = sub
+
+
+def _apply_logit_bias(x: torch.Tensor, rows: list[SamplingRow]) -> None:
+    vocab = x.shape[1]
+    triples = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias if t < vocab]
+    if not triples:
+        return
+    row_ids, token_ids, biases = zip(*triples)
+    index = (_index(list(row_ids), x.device), _index(list(token_ids), x.device))
+    x[index] += torch.tensor(biases, dtype=x.dtype, device=x.device)
 
 
 def _apply_suppression(x: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -64,7 +64,8 @@ async def _run(config: RouterConfig, gate: Gate) -> int:
         return 1
     register_pool_metrics({"prefill": backend.prefills, "decode": backend.decodes, "encoder": backend.encoders})
     configure_buckets(backend.prefills.policy, config, backend.max_model_len)
-    app = create_app(backend, served_model_names=list(config.served_model_name), gate=gate)
+    app = create_app(backend, served_model_names=list(config.served_model_name), gate=gate,
+                     cors_allow_origins=config.cors_allow_origin)
     servers = [uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning",
         timeout_graceful_shutdown=config.drain_timeout_s))]

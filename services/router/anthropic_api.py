@@ -133,7 +133,7 @@ def _part(block: ContentBlock, param: str, image_token_id: int | None) -> Conten
     if block.type != "image":
         raise invalid(f"{param}: {block.type!r} blocks are not supported yet (only text and image)", param)
     if image_token_id is None:
-        raise invalid(f"{param}: this model takes no images", param)
+        raise invalid(f"{param}: {api.NO_IMAGES}", param)
     source = block.source
     if source is None or source.type != "base64" or not source.media_type or source.data is None:
         raise invalid(f"{param}: only base64 image sources are accepted ({{\"type\": \"base64\", "

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from services.common.config import check
 from services.router.policies import POLICIES
+
+_ORIGIN = re.compile(r"\*|[a-z][a-z0-9+.-]*://[^/\s]+")
+"""A CORS origin as browsers send it: scheme://host[:port], no path; or * (any)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,10 @@ class RouterConfig:
     """Largest request body accepted (413 beyond)."""
     allow_unauthenticated: bool = False
     """Serve the API without keys on a non-loopback host (refused otherwise)."""
+    cors_allow_origin: tuple[str, ...] = ()
+    """Browser origins allowed to call the API (CORS), e.g. https://app.example.com, or * for
+    any; none: no CORS headers, browsers refuse cross-origin calls. Preflights are answered
+    before API keys are checked; the calls themselves still need a key."""
 
     def __post_init__(self) -> None:
         check(0 <= self.port <= 65535, "port", "must be in 0..65535 (0: a free port)")
@@ -114,5 +122,8 @@ class RouterConfig:
         check(self.key_cache_ttl_s > 0, "key_cache_ttl_s", "must be > 0")
         check(self.limits_on_redis_failure in ("fail-open", "fail-closed"), "limits_on_redis_failure",
               "must be fail-open or fail-closed")
+        for origin in self.cors_allow_origin:
+            check(_ORIGIN.fullmatch(origin) is not None, "cors_allow_origin",
+                  f"{origin!r} is not an origin: scheme://host[:port] without a path (or * for any)")
         check(not (self.api_keys_file and self.redis_url), "api_keys_file",
               "is a second key store next to --redis-url / EPD_ROUTER_REDIS_URL: choose one")

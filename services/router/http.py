@@ -5,7 +5,8 @@ turns its bodies into a GenerateRequest plus a format object; tools.py and struc
 and output formats into a grammar for every protocol; generation.py is the shared core that runs
 it. Life of a request here::
 
-    body (pydantic) -> checks, chat template, token ids (a worker thread) -> GenerateRequest, Format
+    [CORS: a preflight is answered here] -> [gate: API key, limits, body size]
+        -> body (pydantic) -> checks, chat template, token ids (a worker thread) -> GenerateRequest, Format
         -> the tenant's salt joins the cache salt (the gate put the tenant in the ASGI scope)
         -> backend.generate(), once per choice -> first chunks (errors before them are plain HTTP errors)
         -> JSON response, or SSE: the format's start events, each choice's text deltas and end
@@ -26,10 +27,12 @@ from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware import Middleware
 
 from services.common.errors import EPDError
 from services.router import anthropic_api, responses_api, structured
@@ -65,17 +68,19 @@ class Routes:
     def __init__(self, backend: Backend, served_model_names: list[str] | None) -> None:
         self.backend = backend
         self.model_names = list(dict.fromkeys([*(served_model_names or ()), backend.model_name]))
+        self.system_fingerprint = api.system_fingerprint(backend.model_name)
 
     def _openai_format(self, format_cls, request: GenerateRequest, body, **extra) -> Format:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return format_cls(request.request_id, body.model or self.backend.model_name, int(time.time()),
                           include_usage, body.return_token_ids, body.n or 1,
-                          request.params.logprobs is not None, **extra)
+                          request.params.logprobs is not None, self.system_fingerprint, **extra)
 
     def _chat_request(self, body: ChatCompletionRequest) -> tuple[GenerateRequest, Format]:
         api.check_model(body.model, self.model_names)
         api.check_chat_supported(body)
         api.requested_max_tokens(body)
+        logit_bias = api.check_logit_bias(body.logit_bias, self.backend.tokenizer.vocab_size)
         tools = openai_plan(body.tools, body.tool_choice)
         constraint = structured.pick(("tools", tools and tools.structured()),
                                      ("response_format", structured.from_response_format(body.response_format)),
@@ -83,7 +88,7 @@ class Routes:
         prompt = api.chat_prompt(body.messages, self.backend.tokenizer, self.backend.image_token_id, tools,
                                  self.backend.max_model_len)
         params = api.sampling_params(body, len(prompt.token_ids), self.backend.max_model_len, "messages",
-                                     api.num_logprobs(body), constraint)
+                                     api.num_logprobs(body), constraint, logit_bias=logit_bias)
         request = api.generate_request(f"chatcmpl-{uuid.uuid4().hex}", prompt, params, body, "chat")
         return request, self._openai_format(ChatFormat, request, body, tools=tools)
 
@@ -91,11 +96,13 @@ class Routes:
         api.check_model(body.model, self.model_names)
         api.check_completion_supported(body)
         api.requested_max_tokens(body)
+        logit_bias = api.check_logit_bias(body.logit_bias, self.backend.tokenizer.vocab_size)
         constraint = structured.pick(("response_format", structured.from_response_format(body.response_format)),
                                      ("structured_outputs", structured.from_extension(body.structured_outputs)))
         prompt = api.completion_prompt(body.prompt, self.backend.tokenizer, self.backend.max_model_len)
         params = api.sampling_params(body, len(prompt.token_ids), self.backend.max_model_len, "prompt",
-                                     api.num_logprobs(body), constraint)
+                                     api.num_logprobs(body), constraint, api.COMPLETION_DEFAULT_MAX_TOKENS,
+                                     logit_bias)
         request = api.generate_request(f"cmpl-{uuid.uuid4().hex}", prompt, params, body, "agent")
         return request, self._openai_format(CompletionFormat, request, body)
 
@@ -174,11 +181,25 @@ def metrics_text() -> Response:
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
 
-def create_app(backend: Backend, served_model_names: list[str] | None = None, gate: Gate | None = None) -> FastAPI:
+def cors_middleware(allow_origins: tuple[str, ...] | list[str]) -> Middleware:
+    """CORS for browser clients. Any request header is allowed (the preflight's list is echoed):
+    the SDKs send their own (Authorization, x-api-key, anthropic-version, OpenAI-Beta, x-stainless-*,
+    anthropic-dangerous-direct-browser-access ...), and a fixed list would break each new one.
+    Retry-After (429 / 503) is the one response header clients read that CORS hides by default."""
+    return Middleware(CORSMiddleware, allow_origins=list(allow_origins), allow_methods=["GET", "POST"],
+                      allow_headers=["*"], expose_headers=["Retry-After"], max_age=600)
+
+
+def create_app(backend: Backend, served_model_names: list[str] | None = None, gate: Gate | None = None,
+               cors_allow_origins: tuple[str, ...] = ()) -> FastAPI:
     """The ASGI app over ``backend`` (openai_api.py, responses_api.py, anthropic_api.py: what it accepts),
-    behind ``gate`` (API keys, per-key limits, body size: gate.py) if given."""
+    behind ``gate`` (API keys, per-key limits, body size: gate.py) if given, and CORS for
+    ``cors_allow_origins`` if any: outermost, so a preflight (which carries no key) is answered
+    before the gate, and the gate's own 401 / 429 reach the browser with CORS headers too."""
+    middleware = [] if not cors_allow_origins else [cors_middleware(cors_allow_origins)]
+    middleware += [] if gate is None else [gate.middleware()]  # the first in the list is the outermost
     app = FastAPI(title="epd router", summary="OpenAI- and Anthropic-compatible front door of the epd cluster",
-                  middleware=[] if gate is None else [gate.middleware()])
+                  middleware=middleware)
     routes = Routes(backend, served_model_names)
     app.router.route_class = CheckedRoute  # bodies are counted before FastAPI parses them
     app.add_api_route("/v1/chat/completions", routes.chat, methods=["POST"], response_model=None)

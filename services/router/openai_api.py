@@ -16,10 +16,15 @@ Supported (``POST /v1/chat/completions`` and ``POST /v1/completions``):
 * Sampling: ``temperature``, ``top_p``, ``seed``, ``stop`` (string or list), ``presence_penalty``,
   ``frequency_penalty``, ``max_tokens`` (chat also ``max_completion_tokens``, which wins), and the
   vLLM-style extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-  ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``. ``max_tokens`` defaults to the rest
-  of the context (``max_model_len - prompt tokens``), for completions too (OpenAI's default is 16).
+  ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``. ``max_tokens`` defaults, as OpenAI's
+  do, to the rest of the context (``max_model_len - prompt tokens``) for chat and to 16 (or the
+  rest of the context, if less) for completions.
+* ``logit_bias``: ``{"token id": bias}``, at most 300 ids of the vocabulary, biases in [-100, 100],
+  added to the logits after any grammar mask (services/engine/sampler.py); logprobs stay those of
+  the raw logits.
 * ``stream``, with ``stream_options.include_usage``; ``n`` (1 to 16 choices, one engine request
-  each, seeded ones with ``seed + i``); ``user`` (ignored).
+  each, seeded ones with ``seed + i``); ``user`` (ignored). Every object and chunk carries a
+  ``system_fingerprint`` (:func:`system_fingerprint`).
 * Logprobs: chat ``logprobs`` / ``top_logprobs`` (0 to 20), completions ``logprobs`` (0 to 20), of
   the raw logits; the first token's come from the prefill instance, the rest from decode.
 * Output constraints (services/router/structured.py, tools.py): ``response_format`` (``json_object``,
@@ -31,8 +36,9 @@ Supported (``POST /v1/chat/completions`` and ``POST /v1/completions``):
   output is calls.
 
 Not supported, rejected with a 400 that says so: ``echo: true``, ``suffix``, ``best_of`` > 1, several
-prompts in one completions request, the deprecated ``functions`` / ``function_call``, and a
-non-empty ``logit_bias``. Fields the API does not define are ignored.
+prompts in one completions request, and the deprecated ``functions`` / ``function_call``. Image
+parts for a model that takes none (no encoder serves it) are a 400 naming the part. Fields the API
+does not define are ignored.
 
 Errors use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``: 400 for any bad
 input (malformed JSON and schema errors included, with the field named), 404 for an unknown model,
@@ -47,13 +53,16 @@ against the wire's int32 / int64 and strings for lone surrogates before any work
 from __future__ import annotations
 
 import binascii
+import hashlib
+import importlib.metadata
+import math
 import re
 import secrets
 from dataclasses import dataclass
 
 from services.common.errors import (EPDError, ModelNotFoundError, PromptTooLongError, UnavailableError,
                                     invalid)
-from services.common.sampling_params import SamplingParams, StructuredOutput, TokenLogprobs
+from services.common.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutput, TokenLogprobs
 from services.common.text import TextState
 from services.common.tokenizer import Tokenizer
 from services.router.backend import GenerateChunk, GenerateRequest
@@ -64,6 +73,13 @@ from services.router.tools import ToolPlan, render_call, render_result
 
 _ROLES = {"system": "system", "user": "user", "assistant": "assistant", "developer": "system", "tool": "tool"}
 MAX_CHOICES = 16
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default ``max_tokens`` for completions (chat's is the rest of the context)."""
+MAX_LOGIT_BIAS_TOKENS = 300
+"""Most ids one ``logit_bias`` may name (OpenAI's limit): each is an edit of every step's logits."""
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+NO_IMAGES = "this model takes no images (no vision encoder serves it)"
+"""The 400 for an image part sent to a text-only model, in every protocol (OpenAI's too is a 400)."""
 _DATA_URI = re.compile(r"data:image/[\w.+-]+;base64,(?P<data>.*)", re.DOTALL)
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error",
@@ -83,6 +99,17 @@ def error_details(exc: EPDError) -> tuple[str | None, str | None]:
     return param, getattr(exc, "code", None)
 
 
+def system_fingerprint(model_name: str) -> str:
+    """``system_fingerprint`` of every chat / completion object: the same for every request to one
+    deployment (the model and the epd version), different when either changes, as OpenAI's is
+    for its backend configuration."""
+    try:
+        version = importlib.metadata.version("epd-serve")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        version = "unknown"
+    return "fp_" + hashlib.sha256(f"{model_name}\0{version}".encode()).hexdigest()[:10]
+
+
 def check_model(requested: str | None, accepted: list[str]) -> None:
     if requested is not None and requested not in accepted:
         raise invalid(f"model {requested!r} does not exist; this server serves {accepted}",
@@ -92,9 +119,27 @@ def check_model(requested: str | None, accepted: list[str]) -> None:
 def _reject_unsupported(body: SamplingFields) -> None:
     if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
         raise invalid(f"n={body.n} is invalid: must be in [1, {MAX_CHOICES}]", "n")
-    if body.logit_bias:
-        raise invalid("logit_bias is not supported yet", "logit_bias")
     check_ranges(body)
+
+
+def check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """``logit_bias`` as SamplingParams takes it: ids of the vocabulary (JSON spells them as
+    strings), at most MAX_LOGIT_BIAS_TOKENS of them, biases in [-100, 100]."""
+    if not bias:
+        return {}
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise invalid(f"logit_bias names {len(bias)} tokens; at most {MAX_LOGIT_BIAS_TOKENS} are accepted",
+                      "logit_bias")
+    checked = {}
+    for key, value in bias.items():
+        if _TOKEN_ID.fullmatch(key) is None or not int(key) < vocab_size:
+            raise invalid(f"logit_bias: {key!r} is not a token id of this model's vocabulary "
+                          f"(integers in [0, {vocab_size}), written as strings)", "logit_bias")
+        if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise invalid(f"logit_bias: the bias of token {key} is {value}; it must be a number in "
+                          f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", "logit_bias")
+        checked[int(key)] = value
+    return checked
 
 
 def num_logprobs(body: ChatCompletionRequest | CompletionRequest) -> int | None:
@@ -182,7 +227,7 @@ def _render_content(message: ChatMessage, where: str, image_token_id: int | None
             pieces.append(part.text)
             continue
         if image_token_id is None:
-            raise invalid(f"{param}: this model takes no images", param)
+            raise invalid(f"{param}: {NO_IMAGES}", param)
         if part.image_url is None:
             raise invalid(f"{param}: an image_url part needs \"image_url\": {{\"url\": ...}}", param)
         images.append(check_image_uri(part.image_url.url, f"{param}.image_url.url"))
@@ -289,7 +334,10 @@ def requested_max_tokens(body: SamplingFields) -> tuple[int | None, str]:
 
 def sampling_params(body: SamplingFields, num_prompt_tokens: int, max_model_len: int,
                     prompt_param: str, logprobs: int | None = None,
-                    structured: StructuredOutput | None = None) -> SamplingParams:
+                    structured: StructuredOutput | None = None, default_max_tokens: int | None = None,
+                    logit_bias: dict[int, float] | None = None) -> SamplingParams:
+    """``default_max_tokens``: the output budget when the body sets none (None: the rest of the
+    context; never more than that); ``logit_bias``: checked by :func:`check_logit_bias`."""
     max_tokens, max_tokens_param = requested_max_tokens(body)
     check_ranges(body)
     if num_prompt_tokens >= max_model_len:
@@ -303,11 +351,14 @@ def sampling_params(body: SamplingFields, num_prompt_tokens: int, max_model_len:
     optional = {name: getattr(body, name) for name in
                 ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                  "frequency_penalty", "repetition_penalty") if getattr(body, name) is not None}
+    if max_tokens is None:
+        # A default below min_tokens would refuse a request that set no max_tokens: min_tokens wins.
+        max_tokens = room if default_max_tokens is None else min(max(default_max_tokens, body.min_tokens), room)
     return SamplingParams(
-        max_tokens=room if max_tokens is None else max_tokens, stop=body.stop or (),
+        max_tokens=max_tokens, stop=body.stop or (),
         stop_token_ids=tuple(body.stop_token_ids or ()), min_tokens=body.min_tokens,
         ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens, logprobs=logprobs,
-        structured=structured, **optional)
+        structured=structured, logit_bias=logit_bias or (), **optional)
 
 
 def generate_request(request_id: str, prompt: Prompt, params: SamplingParams, body: SamplingFields,

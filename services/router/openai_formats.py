@@ -34,6 +34,8 @@ class _OpenAIFormat:
     n: int = 1
     logprobs: bool = False
     """Each choice carries its tokens' logprobs."""
+    system_fingerprint: str | None = None
+    """In every object and chunk (openai_api.system_fingerprint)."""
     terminator: ClassVar[bytes] = b"data: [DONE]\n\n"
 
     def start_events(self, outs: list[OutputText]) -> list[Event]:
@@ -67,7 +69,7 @@ class _OpenAIFormat:
 
     def body(self, choices: list[dict], usage: dict | None = None, final: bool = False) -> dict:
         body = {"id": self.id, "object": self.object_name(final), "created": self.created, "model": self.model,
-                "choices": choices}
+                "system_fingerprint": self.system_fingerprint, "choices": choices}
         if usage is not None:
             body["usage"] = usage
         return body

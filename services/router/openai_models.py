@@ -108,7 +108,8 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
-    """Default: the rest of the context (max_model_len - prompt tokens)."""
+    """Default (OpenAI's): chat, the rest of the context (max_model_len - prompt tokens);
+    completions, 16 (at most the rest of the context)."""
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -118,7 +119,8 @@ class SamplingFields(_Body):
     n: int | None = None
     """Choices per request, 1 to 16; seeded choices use seed, seed + 1, ..."""
     logit_bias: dict[str, float] | None = None
-    """Not supported yet: only null or {} is accepted."""
+    """``{"token id": bias}``: at most 300 ids of the vocabulary, biases in [-100, 100], added to
+    the logits before sampling (-100 bans a token, 100 all but forces it)."""
     user: str | None = None
     # vLLM-style extensions.
     top_k: int | None = None

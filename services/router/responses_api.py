@@ -5,8 +5,10 @@ Supported (``POST /v1/responses``):
 * ``model``: as chat completions (omitted: the backend's model; unknown: a 404).
 * ``input``: a string (one user message) or a list of message items, ``{"role": "user" |
   "assistant" | "system" | "developer", "content": str | [{"type": "input_text" | "output_text",
-  "text": ...}]}`` (``"type": "message"`` optional). ``instructions`` becomes a system message
-  placed first. Parts are joined with "\\n" as chat parts are, and the conversation goes through
+  "text": ...}]}`` (``"type": "message"`` optional), and for a model that takes images
+  ``{"type": "input_image", "image_url": "data:image/<fmt>;base64,..."}`` parts (the chat path's
+  ``image_url`` parts; a text-only model answers a 400 naming the part). ``instructions`` becomes
+  a system message placed first. Parts are joined with "\\n" as chat parts are, and the conversation goes through
   the same chat template and tokenizing as chat completions (same messages, same token ids).
 * ``max_output_tokens`` (>= 1; default: the rest of the context), ``temperature``, ``top_p``,
   ``stream``, ``metadata`` (echoed, otherwise ignored), ``store`` (accepted; nothing is stored),
@@ -25,8 +27,8 @@ Supported (``POST /v1/responses``):
   and ``function_call`` / ``function_call_output`` input items carry earlier calls and results.
 
 Not supported yet, a 400 that says so: other tool types (``web_search``, ``file_search``, ...),
-``previous_response_id``, ``reasoning``, ``n`` other than 1, other input items and content parts
-other than text (``input_image``, ``input_file``, ...). Unknown fields are ignored. Errors use
+``previous_response_id``, ``reasoning``, ``n`` other than 1, other input items, other content parts
+(``input_file``, ...) and images by ``file_id`` or URL. Unknown fields are ignored. Errors use
 OpenAI's body (the path is not under /v1/messages).
 """
 
@@ -44,8 +46,8 @@ from services.router import structured
 from services.router.backend import Backend, GenerateRequest
 from services.router.body_checks import check_ranges
 from services.router.openai_api import invalid
-from services.router.openai_models import (ChatMessage, ContentPart, FunctionCall, MessageToolCall, RequestBody,
-                                           SamplingFields)
+from services.router.openai_models import (ChatMessage, ContentPart, FunctionCall, ImageURL, MessageToolCall,
+                                           RequestBody, SamplingFields)
 from services.router.responses_format import ResponsesFormat
 from services.router.tools import ToolPlan, responses_plan
 
@@ -57,11 +59,16 @@ class _Body(BaseModel):
 
 
 class InputPart(_Body):
-    """``{"type": "input_text" | "output_text", "text": ...}``; other types are declared only to be
-    rejected in plain words."""
+    """``{"type": "input_text" | "output_text", "text": ...}`` or ``{"type": "input_image",
+    "image_url": "data:image/png;base64,..."}``; other types are declared only to be rejected in
+    plain words."""
 
     type: str
     text: str | None = None
+    image_url: str | None = None
+    """An input_image's ``data:`` URI (the router fetches no URLs)."""
+    file_id: str | None = None
+    """Not supported (nothing is stored)."""
 
 
 class InputItem(_Body):
@@ -119,23 +126,37 @@ def _check_supported(body: ResponsesRequest) -> None:
         raise invalid(f"n={body.n} is not supported yet: only one output per request", "n")
 
 
-def _content(item: InputItem, where: str) -> str | list[ContentPart]:
+def _image(part: InputPart, param: str, image_token_id: int | None) -> ContentPart:
+    if image_token_id is None:
+        raise invalid(f"{param}: {api.NO_IMAGES}", param)
+    if part.image_url is None:
+        raise invalid(f"{param}: an input_image part needs \"image_url\" (a data:image/...;base64 URI; "
+                      f"file_id is not supported)", param)
+    url = api.check_image_uri(part.image_url, f"{param}.image_url")
+    return ContentPart(type="image_url", image_url=ImageURL(url=url))
+
+
+def _content(item: InputItem, where: str, image_token_id: int | None) -> str | list[ContentPart]:
     if item.content is None or isinstance(item.content, str):
         return item.content or ""
     parts = []
     for i, part in enumerate(item.content):
         param = f"{where}.content[{i}]"
+        if part.type == "input_image":
+            parts.append(_image(part, param, image_token_id))
+            continue
         if part.type not in _TEXT_PARTS:
-            raise invalid(f"{param}: {part.type!r} parts are not supported yet (only input_text and "
-                          f"output_text)", param)
+            raise invalid(f"{param}: {part.type!r} parts are not supported yet (only input_text, "
+                          f"output_text and input_image)", param)
         if part.text is None:
             raise invalid(f"{param}: a {part.type} part needs \"text\"", param)
         parts.append(ContentPart(type="text", text=part.text))
     return parts
 
 
-def chat_messages(body: ResponsesRequest) -> list[ChatMessage]:
-    """The input as the chat path's messages: the instructions first, then the items."""
+def chat_messages(body: ResponsesRequest, image_token_id: int | None = None) -> list[ChatMessage]:
+    """The input as the chat path's messages: the instructions first, then the items
+    (``image_token_id``: None, the model takes no images)."""
     messages = [] if body.instructions is None else [ChatMessage(role="system", content=body.instructions)]
     if isinstance(body.input, str):
         return [*messages, ChatMessage(role="user", content=body.input)]
@@ -158,7 +179,7 @@ def chat_messages(body: ResponsesRequest) -> list[ChatMessage]:
         if item.role not in ("user", "assistant", "system", "developer"):
             raise invalid(f"{where}.role {item.role!r} is not supported (use user, assistant, system "
                           f"or developer)", f"{where}.role")
-        messages.append(ChatMessage(role=item.role, content=_content(item, where)))
+        messages.append(ChatMessage(role=item.role, content=_content(item, where, image_token_id)))
     if not messages:
         raise invalid("input must not be empty", "input")
     return messages
@@ -189,8 +210,8 @@ def build(body: ResponsesRequest, backend: Backend,
                             cache_salt=body.cache_salt, kv_retention=body.kv_retention)
     check_ranges(fields)  # before the prompt is built: cheap checks first
     tools = responses_plan(body.tools, body.tool_choice)
-    prompt = api.chat_prompt(chat_messages(body), backend.tokenizer, backend.image_token_id, tools,
-                             backend.max_model_len, "input")
+    messages = chat_messages(body, backend.image_token_id)
+    prompt = api.chat_prompt(messages, backend.tokenizer, backend.image_token_id, tools, backend.max_model_len, "input")
     params = _sampling_params(fields, len(prompt.token_ids), backend.max_model_len, (body.text or {}).get("format"),
                               tools)
     request = api.generate_request(f"resp_{uuid.uuid4().hex}", prompt, params, fields, "chat")

@@ -18,9 +18,21 @@ import httpx
 import pytest
 from PIL import Image
 
-from services.launcher import free_port
+from services.common.config import ConfigError, parse_config
+from services.launcher import UpConfig, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_encoders_start_for_a_vision_model_or_when_asked():
+    """Auto (the default): no model the engine loads has a vision tower, so none start and images
+    are a 400; --encoders N starts N (their tower random unless EPD_ENCODER_WEIGHTS)."""
+    assert parse_config(UpConfig, [], "up", env={}).num_encoders == 0
+    assert parse_config(UpConfig, ["--encoders", "none"], "up", env={}).encoders is None
+    assert parse_config(UpConfig, ["--encoders", "2"], "up", env={}).num_encoders == 2
+    assert parse_config(UpConfig, [], "up", env={"EPD_UP_ENCODERS": "1"}).num_encoders == 1
+    with pytest.raises(ConfigError, match="--encoders / EPD_UP_ENCODERS"):
+        parse_config(UpConfig, ["--encoders", "-1"], "up", env={})
 
 
 def start_up(model_dir: Path, port: int) -> tuple[subprocess.Popen, list[int]]:

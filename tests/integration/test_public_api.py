@@ -1,7 +1,8 @@
-"""The public API on a live SmolLM2 cluster (1 prefill + 1 decode + 1 store node), with the
-official openai and anthropic SDKs as clients: choices, seeds, stops, logprobs across the
-prefill -> decode hand-over, JSON schema and tool calls whose grammar the engines enforce, and the
-Messages / Responses streams."""
+"""The public API on a live SmolLM2 cluster (1 prefill + 1 decode + 1 store node, encoders left to
+auto: none for a text model), with the official openai and anthropic SDKs as clients: choices,
+seeds, stops, logprobs across the prefill -> decode hand-over, JSON schema and tool calls whose
+grammar the engines enforce, the Messages / Responses streams, and OpenAI's defaults (completions'
+16 tokens, logit_bias, system_fingerprint, images refused by a text model)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 @pytest.fixture(scope="module")
 def cluster():
-    with running_cluster("", encoders=0, prefills=1, decodes=1, kv_cache_gib=0.2, device="cpu") as running:
+    with running_cluster("", prefills=1, decodes=1, kv_cache_gib=0.2, device="cpu") as running:
         yield running
 
 
@@ -181,3 +182,26 @@ def test_messages_and_responses_streams(cluster):
         [call] = reply.output
         assert call.type == "function_call" and call.name == "get_weather"
         jsonschema.validate(json.loads(call.arguments), WEATHER)
+
+
+@pytest.mark.slow
+def test_openai_defaults_logit_bias_and_no_images(client):
+    story = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert (story.usage.completion_tokens, story.choices[0].finish_reason) == (16, "length")  # OpenAI's default
+    assert story.system_fingerprint.startswith("fp_")
+    params = dict(model=MODEL, messages=ASK, max_tokens=3, temperature=0, extra_body={"return_token_ids": True})
+    greedy = client.chat.completions.create(**params)
+    ids = greedy.choices[0].model_extra["token_ids"]
+    assert greedy.system_fingerprint == story.system_fingerprint
+    forced = next(t for t in range(1000, 2000) if t not in ids)
+    boosted = client.chat.completions.create(**params, logit_bias={str(forced): 100})
+    assert boosted.choices[0].model_extra["token_ids"] == [forced] * 3
+    banned = client.chat.completions.create(**params, logit_bias={str(ids[0]): -100})
+    assert ids[0] not in banned.choices[0].model_extra["token_ids"]
+    png = "data:image/png;base64,iVBORw0KGgo="
+    image = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                          {"type": "image_url", "image_url": {"url": png}}]}]
+    with pytest.raises(openai.BadRequestError) as info:  # no encoder starts for a text-only model
+        client.chat.completions.create(model=MODEL, messages=image, max_tokens=3)
+    assert info.value.body["param"] == "messages[0].content[1]" and "takes no images" in info.value.body["message"]

@@ -93,6 +93,46 @@ def test_max_tokens_defaults_to_the_rest_of_the_context():
     assert api.sampling_params(chat(max_tokens=5, max_completion_tokens=7), 100, 2048, "messages").max_tokens == 7
 
 
+def test_completions_default_to_16_tokens_as_openai():
+    def max_tokens(num_prompt_tokens: int, **fields) -> int:
+        return api.sampling_params(CompletionRequest(prompt="x", **fields), num_prompt_tokens, 2048, "prompt",
+                                   default_max_tokens=api.COMPLETION_DEFAULT_MAX_TOKENS).max_tokens
+
+    assert api.COMPLETION_DEFAULT_MAX_TOKENS == 16
+    assert max_tokens(100) == 16
+    assert max_tokens(2040) == 8  # never past the context
+    assert max_tokens(100, max_tokens=500) == 500
+    assert max_tokens(100, min_tokens=40) == 40  # a request that only sets min_tokens is not refused
+
+
+def test_logit_bias_is_checked_and_carried():
+    bias = api.check_logit_bias({"5": 100, "49151": -100.0, "0": 0.5}, 49152)
+    assert bias == {5: 100, 49151: -100.0, 0: 0.5}
+    params = api.sampling_params(chat(), 10, 2048, "messages", logit_bias=bias)
+    assert params.logit_bias == ((0, 0.5), (5, 100.0), (49151, -100.0))
+    assert api.check_logit_bias(None, 10) == {} and api.check_logit_bias({}, 10) == {}
+    assert api.sampling_params(chat(), 10, 2048, "messages").logit_bias == ()
+
+
+@pytest.mark.parametrize("bias, words", [
+    ({"49152": 1}, "'49152' is not a token id"), ({"-1": 1}, "'-1' is not a token id"),
+    ({"cat": 1}, "'cat' is not a token id"), ({" 7": 1}, "' 7' is not a token id"),
+    ({"1e3": 1}, "'1e3'"), ({"7": 100.5}, "must be a number in [-100, 100]"),
+    ({"7": -101}, "[-100, 100]"), ({"7": float("nan")}, "[-100, 100]"), ({"7": float("inf")}, "[-100, 100]"),
+    ({str(i): 1 for i in range(301)}, "names 301 tokens; at most 300"),
+])
+def test_bad_logit_bias_is_a_400_naming_the_field(bias, words):
+    with pytest.raises(InvalidRequestError, match=re.escape(words)) as info:
+        api.check_logit_bias(bias, 49152)
+    assert info.value.param == "logit_bias" and info.value.http_status == 400
+
+
+def test_system_fingerprint_is_stable_per_model():
+    fingerprint = api.system_fingerprint("SmolLM2-135M-Instruct")
+    assert re.fullmatch(r"fp_[0-9a-f]{10}", fingerprint)
+    assert api.system_fingerprint("SmolLM2-135M-Instruct") == fingerprint != api.system_fingerprint("other")
+
+
 def test_context_errors_give_the_numbers():
     with pytest.raises(PromptTooLongError, match="the prompt is 2048 tokens, but this model's context is 2048"):
         api.sampling_params(chat(), 2048, 2048, "messages")
@@ -107,7 +147,6 @@ def test_context_errors_give_the_numbers():
     ({"n": 0}, "n", "must be in [1, 16]"), ({"n": 17}, "n", "must be in [1, 16]"),
     ({"top_logprobs": 30, "logprobs": True}, "top_logprobs", "[0, 20]"),
     ({"functions": [{}]}, "functions", "use tools"), ({"function_call": "auto"}, "function_call", "use tool_choice"),
-    ({"logit_bias": {"1": 5}}, "logit_bias", "not supported yet"),
 ])
 def test_unsupported_or_invalid_chat_fields_say_so(fields, param, words):
     with pytest.raises(InvalidRequestError, match=re.escape(words)) as info:

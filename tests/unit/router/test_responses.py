@@ -133,7 +133,10 @@ def test_unsupported_and_bad_fields_are_400(client, backend):
         body = openai_error(lambda: create(model="test-model", input=QUESTION, **kwargs), "not supported yet")
         assert body["param"] == field and body["type"] == "invalid_request_error"
     image = {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}
-    body = openai_error(lambda: create(model="test-model", input=[image]), "'input_image'", "not supported yet")
+    body = openai_error(lambda: create(model="test-model", input=[image]), "takes no images")  # a text-only model
+    assert body["param"] == "input[0].content[0]"
+    pdf = {"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}
+    body = openai_error(lambda: create(model="test-model", input=[pdf]), "'input_file'", "not supported yet")
     assert body["param"] == "input[0].content[0]"
     openai_error(lambda: create(model="test-model", input=[{"type": "reasoning", "summary": []}]), "'reasoning'")
     body = openai_error(lambda: create(model="test-model", input=QUESTION, tools=[{"type": "web_search"}]),
