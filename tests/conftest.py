@@ -8,7 +8,12 @@ import pytest
 
 from tests.factories import make_tiny_chat_model_dir, make_tiny_model_dir
 
-_engines: "weakref.WeakSet" = weakref.WeakSet()
+_long_lived_engines: "weakref.WeakSet" = weakref.WeakSet()
+"""Engines built by module- or session-scoped fixtures: checked after every test while they live."""
+_test_engines: list = []
+"""Engines built by the running test (or its function-scoped fixtures): held until its
+teardown, so one the test dropped is still checked, then let go."""
+_num_wide_fixtures_in_setup = 0
 
 
 @pytest.fixture(scope="session")
@@ -73,6 +78,18 @@ def redis_url(tmp_path_factory):
     server.wait(10)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """Tell engines built by wider-scoped fixtures from those a single test builds."""
+    global _num_wide_fixtures_in_setup
+    is_wide = fixturedef.scope != "function"
+    _num_wide_fixtures_in_setup += is_wide
+    try:
+        yield
+    finally:
+        _num_wide_fixtures_in_setup -= is_wide
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _track_engines():
     """Record every LLMEngine built during the session (module-scoped ones included)."""
@@ -85,7 +102,10 @@ def _track_engines():
 
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        _engines.add(self)
+        if _num_wide_fixtures_in_setup:
+            _long_lived_engines.add(self)
+        else:
+            _test_engines.append(self)
 
     LLMEngine.__init__ = init
     yield
@@ -94,10 +114,16 @@ def _track_engines():
 
 @pytest.fixture(autouse=True)
 def no_leaked_blocks():
-    """After every test, every engine has no request left and every KV block free."""
+    """After every test (and its function-scoped fixtures' teardown), every engine it could
+    reach has no request left (running, waiting, or held for KV), nothing lent out, and every
+    KV block free."""
     yield
-    for engine in list(_engines):
-        bm = engine.block_manager
+    engines, _test_engines[:] = [*_long_lived_engines, *_test_engines], []
+    for engine in engines:
+        bm, stats = engine.block_manager, engine.stats()
         assert not engine.has_unfinished_requests() and not engine._states, "a request was left in the engine"
+        assert (stats.num_running, stats.num_waiting, stats.num_held) == (0, 0, 0), (
+            f"the engine still reports load: {stats}")
+        assert engine._num_handoff_blocks == 0, "a hand-off was never released"
         assert bm.num_free_blocks == bm.num_blocks, (
             f"{bm.num_blocks - bm.num_free_blocks} KV blocks still held after the test")

@@ -4,14 +4,19 @@
        |                                    |          +--> FAILED (error says why)
        +------------- cancel() -------------+------------> FAILED ("cancelled")
 
-Workers drive it; the caller (often an asyncio loop) only calls ``poll()``, which never blocks.
+Workers drive it; the caller only calls ``poll()``, which never blocks, or (an asyncio loop)
+awaits ``finished()``, which the worker's final transition wakes: no polling on the loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import logging
 import threading
 from typing import Callable
+
+log = logging.getLogger(__name__)
 
 
 class TransferState(enum.Enum):
@@ -54,6 +59,25 @@ class TransferOp:
         self._finished.wait(timeout)
         return self._state
 
+    async def finished(self) -> TransferState:
+        """Wait for the final state without blocking the event loop: the worker's final
+        transition wakes the loop (``call_soon_threadsafe``). Cancelling this wait does not
+        cancel the transfer (:meth:`cancel` does)."""
+        if self._state.is_final:
+            return self._state
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def wake(_: TransferOp) -> None:
+            try:
+                loop.call_soon_threadsafe(_resolve, future)
+            except RuntimeError:  # the loop closed meanwhile: nobody waits any more
+                pass
+
+        self.add_done_callback(wake)
+        await future
+        return self._state
+
     def cancel(self) -> None:
         """Ask the worker to stop; a transfer not yet started fails at once."""
         with self._lock:
@@ -94,7 +118,15 @@ class TransferOp:
             callbacks, self._callbacks = self._callbacks, []
         self._finished.set()
         for callback in callbacks:
-            callback(self)
+            try:
+                callback(self)
+            except Exception:  # noqa: BLE001 - one broken callback must not starve the others
+                log.exception("a transfer's done callback failed")
 
     def __repr__(self) -> str:
         return f"TransferOp({self._state.value}, {self.num_blocks} blocks, {self.num_bytes} B, error={self._error!r})"
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kvstore.transfer.descriptors import BlockDesc, Endpoint, KVHandle, RegionDesc
 from services.common.sampling_params import SamplingParams, StructuredOutput, TokenLogprobs
-from services.pb import common_pb2, kvstore_pb2
+from services.pb import common_pb2, decode_pb2, kvstore_pb2, prefill_pb2
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
@@ -47,6 +47,48 @@ class RequestSpec:
     """Joins the root of every block hash: requests with another salt never share its KV."""
     request_class: str = "chat"
     """"agent" or "chat": picks how long the KV store keeps the request's blocks."""
+
+
+@dataclass(frozen=True)
+class PrefillResponse:
+    first_token_id: int
+    finish_reason: str | None
+    """None: decode continues; "stop" / "length" when the first token ended the request."""
+    stop_reason: str | int | None
+    num_cached_tokens: int
+    """Prompt tokens served from a prefix cache."""
+    kv: KVHandle | None
+    """The prompt's KV lent to decode (None: the request is done, or decode must recompute)."""
+    first_token_logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    spec: RequestSpec
+    output_token_ids: tuple[int, ...]
+    """Generated so far: prefill's first token, or every token before a migration."""
+    kv: KVHandle | None
+    """The prompt's KV at its prefill instance; None: read the store's hits, compute the rest."""
+    num_cached_tokens: int
+    """Passed through to usage."""
+    prefill_address: str
+    """gRPC address of the KV's owner, where its lease is released."""
+    num_migrations: int = 0
+    """Decode instances the request already left mid-stream (0: it comes from its prefill)."""
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """New tokens of a decode stream; one with no token and no finish is a heartbeat."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+    kv_recomputed: bool = False
+    """The prompt's KV could not be read: decode recomputed it."""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """One per token, when the request asked for logprobs."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +216,59 @@ def kv_handle_from_proto(msg: kvstore_pb2.KVHandle) -> KVHandle:
         lease_id=msg.lease_id, owner=Endpoint(msg.owner.host_id, msg.owner.tcp_address),
         regions=tuple(RegionDesc(r.region_id, r.shm_path, r.length) for r in msg.regions),
         blocks=tuple(BlockDesc(b.region_id, b.offset, b.length, b.checksum) for b in msg.blocks))
+
+
+# ----- prefill and decode ------------------------------------------------------------------
+def prefill_response_to_proto(r: PrefillResponse) -> prefill_pb2.PrefillResponse:
+    msg = prefill_pb2.PrefillResponse(
+        first_token_id=r.first_token_id, finish_reason=r.finish_reason or "",
+        stop_reason=stop_reason_to_proto(r.stop_reason), num_cached_tokens=r.num_cached_tokens)
+    if r.kv is not None:
+        msg.kv.CopyFrom(kv_handle_to_proto(r.kv))
+    if r.first_token_logprobs is not None:
+        msg.first_token_logprobs.CopyFrom(logprobs_to_proto(r.first_token_logprobs))
+    return msg
+
+
+def prefill_response_from_proto(msg: prefill_pb2.PrefillResponse) -> PrefillResponse:
+    return PrefillResponse(
+        first_token_id=msg.first_token_id, finish_reason=msg.finish_reason or None,
+        stop_reason=stop_reason_from_proto(msg.stop_reason), num_cached_tokens=msg.num_cached_tokens,
+        kv=kv_handle_from_proto(msg.kv) if msg.HasField("kv") else None,
+        first_token_logprobs=(logprobs_from_proto(msg.first_token_logprobs)
+                              if msg.HasField("first_token_logprobs") else None))
+
+
+def decode_request_to_proto(r: DecodeRequest) -> decode_pb2.DecodeRequest:
+    msg = decode_pb2.DecodeRequest(
+        spec=spec_to_proto(r.spec), output_token_ids=list(r.output_token_ids),
+        num_cached_tokens=r.num_cached_tokens, prefill_address=r.prefill_address,
+        num_migrations=r.num_migrations)
+    if r.kv is not None:
+        msg.kv.CopyFrom(kv_handle_to_proto(r.kv))
+    return msg
+
+
+def decode_request_from_proto(msg: decode_pb2.DecodeRequest) -> DecodeRequest:
+    return DecodeRequest(
+        spec=spec_from_proto(msg.spec), output_token_ids=tuple(msg.output_token_ids),
+        kv=kv_handle_from_proto(msg.kv) if msg.HasField("kv") else None,
+        num_cached_tokens=msg.num_cached_tokens, prefill_address=msg.prefill_address,
+        num_migrations=msg.num_migrations)
+
+
+def token_chunk_to_proto(c: TokenChunk) -> decode_pb2.TokenChunk:
+    return decode_pb2.TokenChunk(
+        token_ids=list(c.token_ids), finish_reason=c.finish_reason or "",
+        stop_reason=stop_reason_to_proto(c.stop_reason), num_cached_tokens=c.num_cached_tokens,
+        kv_recomputed=c.kv_recomputed, logprobs=[logprobs_to_proto(lp) for lp in c.logprobs])
+
+
+def token_chunk_from_proto(msg: decode_pb2.TokenChunk) -> TokenChunk:
+    return TokenChunk(
+        token_ids=tuple(msg.token_ids), finish_reason=msg.finish_reason or None,
+        stop_reason=stop_reason_from_proto(msg.stop_reason), num_cached_tokens=msg.num_cached_tokens,
+        kv_recomputed=msg.kv_recomputed, logprobs=tuple(logprobs_from_proto(lp) for lp in msg.logprobs))
 
 
 # ----- load and model info -----------------------------------------------------------------

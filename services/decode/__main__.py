@@ -15,7 +15,7 @@ from services.common.config import config_or_exit
 from services.decode.config import DecodeConfig
 from services.decode.servicer import LeaseReleaser, add_to_server
 from services.decode.worker import DecodeWorker
-from services.engine.serving import EngineInstance, serve_instance
+from services.engine.serving.instance import EngineInstance, serve_instance
 
 
 async def run(config: DecodeConfig) -> int:

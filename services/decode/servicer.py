@@ -10,9 +10,9 @@ from typing import TypeVar
 import grpc.aio
 
 from services.common.server import CHANNEL_OPTIONS, EngineRpcs
-from services.common.wire import kv_handle_from_proto, logprobs_to_proto, spec_from_proto, stop_reason_to_proto
-from services.decode.worker import DecodeInput, DecodeWorker
-from services.pb import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from services.common.wire import TokenChunk, decode_request_from_proto, token_chunk_to_proto
+from services.decode.worker import DecodeWorker
+from services.pb import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 T = TypeVar("T")
 
@@ -23,12 +23,7 @@ class DecodeServicer(EngineRpcs, decode_pb2_grpc.DecodeServicer):
         self.heartbeat_s = heartbeat_s
 
     async def Generate(self, request, context):
-        req = DecodeInput(
-            spec=spec_from_proto(request.spec), output_token_ids=tuple(request.output_token_ids),
-            kv=kv_handle_from_proto(request.kv) if request.HasField("kv") else None,
-            num_cached_tokens=request.num_cached_tokens, prefill_address=request.prefill_address,
-            num_migrations=request.num_migrations)
-        chunks = self.worker.generate(req)
+        chunks = self.worker.generate(decode_request_from_proto(request))
         try:
             # Closed first: it may be reading ``chunks`` in a task of its own.
             async with contextlib.aclosing(with_heartbeats(chunks, self.heartbeat_s)) as beating:
@@ -36,16 +31,12 @@ class DecodeServicer(EngineRpcs, decode_pb2_grpc.DecodeServicer):
                     if chunk is None:
                         yield HEARTBEAT
                         continue
-                    yield decode_pb2.TokenChunk(
-                        token_ids=list(chunk.token_ids), finish_reason=chunk.finish_reason or "",
-                        stop_reason=stop_reason_to_proto(chunk.stop_reason),
-                        num_cached_tokens=chunk.num_cached_tokens, kv_recomputed=chunk.kv_recomputed,
-                        logprobs=[logprobs_to_proto(lp) for lp in chunk.logprobs])
+                    yield token_chunk_to_proto(chunk)
         finally:
             await chunks.aclose()
 
 
-HEARTBEAT = decode_pb2.TokenChunk()
+HEARTBEAT = token_chunk_to_proto(TokenChunk(()))
 """No token, no finish: "alive, nothing to send yet" (a transfer, a recompute, a long step)."""
 
 

@@ -32,16 +32,13 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 
 from kvstore.transfer.descriptors import KVHandle
 from services.common import metrics
 from services.common.errors import KVLoadError, UnavailableError
-from services.common.sampling_params import TokenLogprobs
-from services.common.wire import LoadReport, RequestSpec
-from services.engine.seams import KVReservation
-from services.engine.serving import EngineInstance, mm_inputs
-from services.engine.store_connector import read_kv
+from services.common.wire import DecodeRequest, LoadReport, RequestSpec, TokenChunk
+from services.engine.serving.instance import EngineInstance, mm_inputs
+from services.engine.serving.seam import Reservation
 
 logger = logging.getLogger(__name__)
 TRANSFERS = metrics.counter("epd_kv_transfers_total", "KV hand-overs read by this decode instance, by result "
@@ -54,28 +51,6 @@ RESUMED_TOKENS = metrics.counter(
     "another decode instance failed them, by where their KV came from: cached (the KV store or this "
     "instance's prefix cache) or recomputed.", ["source"])
 _NO_ROOM_WAIT_S = 0.01
-
-
-@dataclass(frozen=True)
-class DecodeInput:
-    spec: RequestSpec
-    output_token_ids: tuple[int, ...]
-    kv: KVHandle | None
-    num_cached_tokens: int
-    prefill_address: str
-    num_migrations: int = 0
-    """Decode instances the request already left mid-stream (0: it comes from its prefill)."""
-
-
-@dataclass(frozen=True)
-class TokenChunk:
-    token_ids: tuple[int, ...]
-    finish_reason: str | None
-    stop_reason: str | int | None
-    num_cached_tokens: int
-    kv_recomputed: bool
-    logprobs: tuple[TokenLogprobs, ...] = ()
-    """One per token, when the request asked for logprobs."""
 
 
 ReleaseLease = Callable[[str, str], Awaitable[None]]
@@ -92,18 +67,18 @@ class DecodeWorker:
         self.num_transfers_in_flight = 0
         self.num_recomputed = 0
 
-    async def generate(self, req: DecodeInput) -> AsyncIterator[TokenChunk]:
+    async def generate(self, req: DecodeRequest) -> AsyncIterator[TokenChunk]:
         if self.is_draining:
             raise UnavailableError("this decode instance is draining")
-        spec, engine, store = req.spec, self.instance.engine, self.instance.store
+        spec, seam, store = req.spec, self.instance.seam, self.instance.store
         rid, images = spec.request_id, mm_inputs(spec)
         context = [*spec.prompt_token_ids, *req.output_token_ids]
         if req.kv is None and store is not None:
             await store.pull(context, images, spec.cache_salt)
         try:
-            stream = await engine.add(list(spec.prompt_token_ids), spec.params, rid,
-                                      output_token_ids=req.output_token_ids, hold_for_kv=req.kv is not None,
-                                      mm_inputs=images, cache_salt=spec.cache_salt)
+            stream = await seam.add(list(spec.prompt_token_ids), spec.params, rid,
+                                    output_token_ids=req.output_token_ids, hold_for_kv=req.kv is not None,
+                                    mm_inputs=images, cache_salt=spec.cache_salt)
         except BaseException:
             if req.kv is not None:
                 await self._release(req.prefill_address, req.kv.lease_id)
@@ -111,7 +86,7 @@ class DecodeWorker:
         try:
             is_pulled = await self._load_kv(rid, req)
             num_sent = num_handed = len(req.output_token_ids)
-            write_back = _WriteBack(store, spec, images, self.instance.llm.block_manager.block_size)
+            write_back = _WriteBack(store, spec, images, seam.block_size)
             async for out in stream:
                 if num_sent == num_handed and req.num_migrations:
                     _count_resumed(rid, len(context), out.num_cached_tokens, write_back.block_size, store is not None)
@@ -125,57 +100,52 @@ class DecodeWorker:
         finally:
             await stream.aclose()  # aborts an unfinished request; a held one frees its blocks
 
-    async def _load_kv(self, rid: str, req: DecodeInput) -> bool:
+    async def _load_kv(self, rid: str, req: DecodeRequest) -> bool:
         """The held request's prompt KV read in (True) or to be recomputed here (False); a
         request added without a handle computes what its prefix-cache hits leave (False)."""
         if req.kv is None:
             TRANSFERS.labels("none").inc()
             return False
-        engine = self.instance.engine
-        is_pulled = await self._pull_kv(rid, req)
+        seam = self.instance.seam
+        try:
+            reservation = await self._reserve(rid)
+            is_pulled = await self._transfer(req.kv, reservation)
+        finally:
+            # Whatever happened, the prefill's blocks are no longer needed.
+            asyncio.get_running_loop().create_task(self._release(req.prefill_address, req.kv.lease_id))
         TRANSFERS.labels("done" if is_pulled else "failed").inc()
         if is_pulled:
-            await engine.call(engine.engine.commit_kv, rid, req.num_cached_tokens)
+            await seam.commit(reservation, num_cached_tokens=req.num_cached_tokens)
         elif self.kv_load_failure_policy == "fail":
+            # (aborting the held request, as the stream closes, frees the reservation)
             raise KVLoadError(f"the prompt's KV for {rid} could not be read from {req.prefill_address} "
                               "(--kv-load-failure-policy fail)")
         else:
             self.num_recomputed += 1
-            await engine.call(engine.engine.recompute_kv, rid)
+            await seam.recompute(reservation)
         return is_pulled
 
-    async def _pull_kv(self, rid: str, req: DecodeInput) -> bool:
-        """Read the prompt's KV into reserved blocks; False when it must be recomputed."""
-        if req.kv is None:
-            return False
-        try:
-            reservation = await self._reserve(rid)
-            return await self._transfer(req.kv, reservation)
-        finally:
-            # Whatever happened, the prefill's blocks are no longer needed.
-            asyncio.get_running_loop().create_task(self._release(req.prefill_address, req.kv.lease_id))
-
-    async def _reserve(self, rid: str) -> KVReservation:
-        engine = self.instance.engine
-        while (reservation := await engine.call(engine.engine.reserve_kv, rid)) is None:
+    async def _reserve(self, rid: str) -> Reservation:
+        seam = self.instance.seam
+        while (reservation := await seam.reserve_held(rid)) is None:
             await asyncio.sleep(_NO_ROOM_WAIT_S)  # blocks free up as running requests finish
         return reservation
 
-    async def _transfer(self, kv: KVHandle, reservation: KVReservation) -> bool:
-        llm = self.instance.llm
-        if len(kv.blocks) != len(reservation.block_ids) or any(
-                b.length != llm.kv_block_bytes for b in kv.blocks):
+    async def _transfer(self, kv: KVHandle, reservation: Reservation) -> bool:
+        """Read the prompt's KV into the reserved blocks past the local hits; False when it
+        must be recomputed."""
+        seam = self.instance.seam
+        if len(kv.blocks) != len(reservation.block_ids) or any(b.length != seam.block_bytes for b in kv.blocks):
             logger.warning("KV handle %s does not match this engine's layout: recomputing", kv.lease_id)
             return False
         skip = reservation.num_local_blocks
         if skip == len(kv.blocks):
             return True
-        destinations = [llm.block_buffer(b).numpy() for b in reservation.block_ids[skip:]]
         wanted = KVHandle(kv.lease_id, kv.owner, kv.regions, kv.blocks[skip:])
         started = time.perf_counter()
         self.num_transfers_in_flight += 1
         try:
-            error = await read_kv(self.instance.transfer, wanted, destinations)
+            error = await seam.read(reservation, wanted, range(skip, len(kv.blocks)))
         finally:
             self.num_transfers_in_flight -= 1
         if error is not None:

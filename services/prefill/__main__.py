@@ -12,7 +12,7 @@ import logging
 import sys
 
 from services.common.config import config_or_exit
-from services.engine.serving import EngineInstance, serve_instance
+from services.engine.serving.instance import EngineInstance, serve_instance
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import add_to_server
 from services.prefill.worker import PrefillWorker

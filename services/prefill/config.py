@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import check
-from services.engine.serving import ServingConfig
+from services.engine.serving.instance import ServingConfig
 
 
 @dataclass(frozen=True)

@@ -27,28 +27,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from dataclasses import dataclass
+import uuid
 
-from kvstore.transfer.descriptors import KVHandle
 from kvstore.transfer.leases import LeaseTable
 from services.common.errors import UnavailableError
-from services.common.sampling_params import TokenLogprobs
-from services.common.wire import LoadReport, RequestSpec
+from services.common.wire import LoadReport, PrefillResponse, RequestSpec
 from services.engine.seams import Handoff
-from services.engine.serving import EngineInstance, mm_inputs
+from services.engine.serving.instance import EngineInstance, mm_inputs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    first_token_id: int
-    finish_reason: str | None
-    """None: decode continues; "stop" / "length" when the first token ended the request."""
-    stop_reason: str | int | None
-    num_cached_tokens: int
-    kv: KVHandle | None
-    first_token_logprobs: TokenLogprobs | None = None
 
 
 class PrefillWorker:
@@ -57,15 +44,15 @@ class PrefillWorker:
         self.leases = LeaseTable(ttl_s=lease_ttl_s)
         self.is_draining = False
 
-    async def prefill(self, spec: RequestSpec) -> PrefillResult:
+    async def prefill(self, spec: RequestSpec) -> PrefillResponse:
         if self.is_draining:
             raise UnavailableError("this prefill instance is draining")
-        engine, store = self.instance.engine, self.instance.store
+        seam, store = self.instance.seam, self.instance.store
         prompt, images = list(spec.prompt_token_ids), mm_inputs(spec)
         if store is not None:
             await store.pull(prompt, images, spec.cache_salt)
-        stream = await engine.add(prompt, spec.params, spec.request_id, detach_after_first_token=True,
-                                  mm_inputs=images, cache_salt=spec.cache_salt)
+        stream = await seam.add_then_detach(prompt, spec.params, spec.request_id, mm_inputs=images,
+                                            cache_salt=spec.cache_salt)
         try:
             last = None
             async for item in stream:
@@ -75,26 +62,19 @@ class PrefillWorker:
         if store is not None:
             store.push_soon(prompt, images, spec.cache_salt, spec.request_class)
         if not isinstance(last, Handoff):
-            return PrefillResult(last.token_ids[0], last.finish_reason, last.stop_reason,
-                                 last.num_cached_tokens, None, (last.logprobs or [None])[0])
+            return PrefillResponse(last.token_ids[0], last.finish_reason, last.stop_reason,
+                                   last.num_cached_tokens, None, (last.logprobs or [None])[0])
         return dataclasses.replace(await self._export(last), first_token_logprobs=(last.logprobs or [None])[0])
 
-    async def _export(self, handoff: Handoff) -> PrefillResult:
-        engine = self.instance.engine
+    async def _export(self, handoff: Handoff) -> PrefillResponse:
+        seam = self.instance.seam
         first = handoff.output_token_ids[0]
-        if self.instance.region is None:  # a device pool: decode recomputes the prompt
-            engine.call_soon(engine.engine.release_handoff, handoff)
-            return PrefillResult(first, None, None, handoff.num_cached_tokens, None)
-        lease_id = self.leases.grant(lambda: engine.call_soon(engine.engine.release_handoff, handoff))
-        try:
-            # Checksums read every block once: off the event loop.
-            handle = await asyncio.to_thread(
-                self.instance.transfer.export, self.instance.region.desc.region_id,
-                self.instance.block_ranges(handoff.block_ids), lease_id)
-        except BaseException:
-            self.leases.release(lease_id)
-            raise
-        return PrefillResult(first, None, None, handoff.num_cached_tokens, handle)
+        if not seam.has_host_pool:  # a device pool: decode recomputes the prompt
+            seam.release(handoff)
+            return PrefillResponse(first, None, None, handoff.num_cached_tokens, None)
+        export = await seam.export_handoff(handoff, uuid.uuid4().hex)  # (released should it fail)
+        self.leases.grant(lambda: seam.release(export), export.handle.lease_id)
+        return PrefillResponse(first, None, None, handoff.num_cached_tokens, export.handle)
 
     def release(self, lease_id: str) -> bool:
         return self.leases.release(lease_id)

@@ -30,6 +30,11 @@ def offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
 
 
 ENGINE_SERVICES = ("services.engine", "services.prefill", "services.decode", "services.encoder")
+SERVING = ("grpc", "kvstore.transfer", "services.kvstore", "services.pb", "services.engine.serving")
+"""What the engine core never imports: its serving shell (services/engine/serving) and below."""
+ENGINE_INTERNALS = ("services.engine.engine", "services.engine.serving.async_engine",
+                    "services.engine.scheduler", "services.engine.block_manager", "services.engine.model_runner")
+"""What a worker never imports: it drives the engine through the EngineSeam."""
 
 
 @pytest.mark.parametrize("package, forbidden", [
@@ -42,9 +47,33 @@ ENGINE_SERVICES = ("services.engine", "services.prefill", "services.decode", "se
     ("services/kvstore", ("torch", "triton", "services.router", *ENGINE_SERVICES)),
     ("services/common", ("torch", "services.engine", "services.router", "services.prefill",
                          "services.decode", "services.encoder")),
+    # The workers reach their engine through the serving shell's EngineSeam only.
+    ("services/prefill", ENGINE_INTERNALS),
+    ("services/decode", ENGINE_INTERNALS),
 ])
 def test_dependency_direction(package, forbidden):
     assert offenders(package, forbidden) == []
+
+
+def test_the_engine_core_imports_nothing_of_serving():
+    """The core (services/engine but its serving/ shell) imports no gRPC, no transfer code, no
+    store client, nothing of the shell: its own tests drive it without any of them."""
+    shell = ROOT / "services/engine/serving"
+    core = [p for p in modules("services/engine") if shell not in p.parents]
+    bad = [f"{p.relative_to(ROOT)} imports {name}" for p in core for name in imports_of(p)
+           if any(name == f or name.startswith(f + ".") for f in SERVING)]
+    assert core and bad == []
+
+
+def test_importing_the_engine_core_loads_nothing_of_serving():
+    """The same, transitively: what the core's imports import in turn."""
+    import subprocess
+    import sys
+
+    code = ("import sys, services.engine.engine, services.engine.llm; "
+            f"print(sorted(m for m in sys.modules if any(m == f or m.startswith(f + '.') for f in {SERVING!r})))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
 
 
 def test_scheduling_core_is_torch_free():

@@ -6,7 +6,7 @@ import pytest
 
 from kvstore.transfer.descriptors import BlockDesc, Endpoint, KVHandle, RegionDesc
 from services.common import wire
-from services.common.sampling_params import SamplingParams
+from services.common.sampling_params import SamplingParams, TokenLogprobs
 
 
 @pytest.mark.parametrize("params", [
@@ -49,3 +49,36 @@ def test_load_report_and_model_info_round_trip():
     for image_token_id in (None, 0, 42):
         info = wire.ModelInfo("m", 4096, 512, 16, (2, 3), "{}", '{"a": 1}', image_token_id, 64)
         assert wire.model_info_from_proto(wire.model_info_to_proto(info)) == info
+
+
+HANDLE = KVHandle("lease-2", Endpoint("host-b", ""), (RegionDesc("r", "", 2048),), (BlockDesc("r", 1024, 1024, 5),))
+LOGPROBS = TokenLogprobs(7, -0.5, ((7, -0.5), (3, -1.25)))  # (the wire's logprobs are 32-bit floats)
+
+
+@pytest.mark.parametrize("reply", [
+    wire.PrefillResponse(12, None, None, 32, HANDLE, LOGPROBS),
+    wire.PrefillResponse(2, "stop", 2, 0, None),
+    wire.PrefillResponse(0, "stop", "END", 16, None, TokenLogprobs(0, 0.0, ())),
+    wire.PrefillResponse(5, "length", None, 0, None),
+])
+def test_prefill_response_round_trips(reply):
+    assert wire.prefill_response_from_proto(wire.prefill_response_to_proto(reply)) == reply
+
+
+@pytest.mark.parametrize("request_", [
+    wire.DecodeRequest(wire.RequestSpec("r", (1, 2, 3), SamplingParams(seed=1)), (9,), HANDLE, 16, "10.0.0.2:50061"),
+    wire.DecodeRequest(wire.RequestSpec("r", (1, 2), SamplingParams()), (9, 8, 7), None, 0, "", num_migrations=2),
+])
+def test_decode_request_round_trips(request_):
+    assert wire.decode_request_from_proto(wire.decode_request_to_proto(request_)) == request_
+
+
+@pytest.mark.parametrize("chunk", [
+    wire.TokenChunk(()),  # a heartbeat
+    wire.TokenChunk((4, 5), num_cached_tokens=32, logprobs=(LOGPROBS, TokenLogprobs(5, -2.0, ((5, -2.0),)))),
+    wire.TokenChunk((6,), "stop", "\n\n", 32, kv_recomputed=True),
+    wire.TokenChunk((), "length", None, 0),
+    wire.TokenChunk((2,), "stop", 2),
+])
+def test_token_chunk_round_trips(chunk):
+    assert wire.token_chunk_from_proto(wire.token_chunk_to_proto(chunk)) == chunk

@@ -10,12 +10,12 @@ import pytest
 
 from services.common.errors import KVLoadError
 from services.common.sampling_params import SamplingParams
-from services.common.wire import RequestSpec
+from services.common.wire import DecodeRequest, RequestSpec
 from services.decode.config import DecodeConfig
 from services.decode.servicer import with_heartbeats
-from services.decode.worker import DecodeInput, DecodeWorker
+from services.decode.worker import DecodeWorker
 from services.engine import LLM
-from services.engine.serving import EngineInstance
+from services.engine.serving.instance import EngineInstance
 from services.prefill.config import PrefillConfig
 from services.prefill.worker import PrefillWorker
 from tests.factories import random_prompts
@@ -43,7 +43,7 @@ async def disaggregated(model: str, prompt: list[int], damage=None, transport: s
         if damage is not None:
             damage(prefill, first.kv)
         try:
-            chunks = [c async for c in decode.generate(DecodeInput(
+            chunks = [c async for c in decode.generate(DecodeRequest(
                 RequestSpec("r", tuple(prompt), PARAMS), (first.first_token_id,), first.kv, 0, "unused"))]
         finally:
             await asyncio.sleep(0.05)  # the lease release runs as a task
@@ -85,6 +85,50 @@ def test_the_fail_policy_fails_the_request_instead_of_recomputing(tiny_llama_dir
     with pytest.raises(KVLoadError, match="could not be read"):
         asyncio.run(disaggregated(str(tiny_llama_dir), prompt, corrupt, policy="fail"))
     # (the no-leak check after every test sees both engines' blocks back)
+
+
+def test_streams_dropped_while_their_requests_are_added_leave_no_load(tiny_llama_dir):
+    """Clients that leave right after the first token cancel decode's Generate while its add
+    waits for the engine thread: the held requests must not stay behind as reported load."""
+    import threading
+
+    from kvstore.transfer.descriptors import Endpoint, KVHandle
+
+    async def main():
+        instance = EngineInstance(DecodeConfig(model=str(tiny_llama_dir), num_kv_blocks=64, device="cpu"), "decode")
+        released: list[str] = []
+
+        async def release(address: str, lease_id: str) -> None:
+            released.append(lease_id)
+
+        worker = DecodeWorker(instance, release)
+        instance.start()
+        busy = threading.Event()
+        try:
+            instance.engine.call_soon(busy.wait)  # a long step: every add waits in the queue
+            prompt = tuple(random_prompts(1, [40], seed=5)[0])
+            streams = [worker.generate(DecodeRequest(RequestSpec(f"r{i}", prompt, PARAMS), (7,),
+                                                   KVHandle(f"lease-{i}", Endpoint("elsewhere", ""), (), ()), 0, "p"))
+                       for i in range(10)]
+            reads = [asyncio.create_task(anext(stream)) for stream in streams]
+            await asyncio.sleep(0.05)
+            for read in reads:
+                read.cancel()
+            busy.set()
+            await asyncio.gather(*reads, return_exceptions=True)
+            for _ in range(100):  # the load report's snapshot follows the engine thread's rounds
+                await instance.engine.call(lambda: None)
+                if worker.load_report().num_running == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return worker.load_report(), sorted(released)
+        finally:
+            busy.set()
+            await instance.close()
+
+    report, released = asyncio.run(main())
+    assert (report.num_running, report.num_waiting, report.num_free_blocks) == (0, 0, 64)
+    assert released == sorted(f"lease-{i}" for i in range(10))
 
 
 async def _beats(items: list, delays_s: list[float], every_s: float) -> list:

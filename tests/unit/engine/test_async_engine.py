@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from services.engine import LLM, SamplingParams
-from services.engine.async_engine import AsyncEngine, EngineDeadError
+from services.engine.serving.async_engine import AsyncEngine, EngineDeadError
 from services.engine.seams import Handoff
 from tests.factories import random_prompts
 
@@ -81,3 +81,36 @@ def test_a_failing_step_fails_every_stream(llm, monkeypatch):
         llm.engine.abort_request("x")
 
     asyncio.run(main())
+
+
+def test_a_caller_that_leaves_while_its_add_is_queued_leaves_nothing_behind(llm):
+    """The add still runs on the engine thread after its caller was cancelled (a client that
+    disconnects while decode adds its request): the request must not stay held (load reports
+    count held requests as running) or run for nobody."""
+    import threading
+
+    async def main():
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        busy = threading.Event()
+        try:
+            engine.call_soon(busy.wait)  # the engine thread is in a step: the add waits in the queue
+            adds = [asyncio.create_task(engine.add(random_prompts(1, [40])[0], GREEDY, f"left-{i}",
+                                                   output_token_ids=(5,), hold_for_kv=hold))
+                    for i, hold in enumerate((True, False))]
+            await asyncio.sleep(0.05)
+            for add in adds:
+                add.cancel()
+            busy.set()
+            for add in adds:
+                with pytest.raises(asyncio.CancelledError):
+                    await add
+            await engine.call(lambda: None)
+            return engine.num_open_streams
+        finally:
+            busy.set()
+            await engine.stop()
+
+    assert asyncio.run(main()) == 0
+    stats = llm.engine.stats()  # (the engine thread has stopped)
+    assert (stats.num_running, stats.num_waiting, stats.num_held) == (0, 0, 0)

@@ -10,7 +10,7 @@ import pytest
 
 from kvstore.hashing import block_hashes, root_hash
 from kvstore.hit_rule import ModelKVShape
-from services.engine.store_connector import StoreConnector
+from services.engine.serving.store_connector import StoreConnector
 
 BS = 16
 HASHES = block_hashes(list(range(BS * 100)), BS, root_hash(model="m", block_size=BS, dtype="float32"))
@@ -29,8 +29,7 @@ class WindowClient:
 
 
 def connector(shape: ModelKVShape, client) -> StoreConnector:
-    instance = SimpleNamespace(llm=SimpleNamespace(block_manager=SimpleNamespace(block_size=BS)))
-    return StoreConnector(instance, client, shape)
+    return StoreConnector(SimpleNamespace(block_size=BS), client, shape)
 
 
 SWA = ModelKVShape(sliding_window=128, lookback=6)

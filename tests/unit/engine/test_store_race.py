@@ -9,7 +9,6 @@ both ways; the request then continues exactly as if the store had never been ask
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,9 +16,10 @@ import torch
 from kvstore.transfer.engine import TransferEngine
 from kvstore.transfer.memory import MemoryRegion
 from services.engine import LLM, SamplingParams
-from services.engine.async_engine import AsyncEngine
+from services.engine.serving.async_engine import AsyncEngine
 from services.engine.engine import LLMEngine
-from services.engine.store_connector import StoreConnector
+from services.engine.serving.seam import EngineSeam
+from services.engine.serving.store_connector import StoreConnector
 from services.kvstore.client import Lent
 from tests.factories import random_prompts
 
@@ -79,10 +79,10 @@ def _pull_then_generate(target: LLMEngine, store: StoreDouble, prompt: list[int]
         engine = AsyncEngine(target)
         engine.start()
         reader = TransferEngine(transports=("shm",))
-        instance = SimpleNamespace(engine=engine, llm=target, region=object(), transfer=reader)
+        seam = EngineSeam(engine, reader, region_id="target-pool")  # (reads only: never exported)
         store.meanwhile = lambda: meanwhile(engine)
         try:
-            num_read = await StoreConnector(instance, store).pull(prompt)
+            num_read = await StoreConnector(seam, store).pull(prompt)
             return num_read, await _generate(engine, prompt, GREEDY, "after")
         finally:
             reader.close()

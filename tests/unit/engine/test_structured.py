@@ -21,7 +21,7 @@ from services.common.errors import InvalidRequestError
 from services.common.sampling_params import StructuredOutput
 from services.common.structured import structural_tag_spec
 from services.engine import LLM, SamplingParams
-from services.engine.async_engine import AsyncEngine
+from services.engine.serving.async_engine import AsyncEngine
 from services.engine.grammar import GrammarMatchers, TokenBitmask
 from services.engine.sampler import Sampler, SamplingRow
 from tests.factories import random_prompts

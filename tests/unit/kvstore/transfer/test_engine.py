@@ -65,6 +65,20 @@ def test_region_without_shm_file_is_read_over_tcp(make_engine, make_region):
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp", "fake"])
+def test_an_event_loop_awaits_a_read_woken_by_its_worker(make_engine, make_region, transport):
+    import asyncio
+
+    _, reader, source, dest, handle = pair(make_engine, make_region, transports=(transport,))
+
+    async def main():
+        op = reader.read(handle, destinations(dest))
+        return await asyncio.wait_for(op.finished(), 10), op.error
+
+    assert asyncio.run(main()) == (TransferState.DONE, None)
+    assert_landed(source, dest)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp", "fake"])
 def test_block_changed_after_export_fails_the_checksum(make_engine, make_region, transport):
     _, reader, source, dest, handle = pair(make_engine, make_region, transports=(transport,))
     offset = handle.blocks[3].offset

@@ -53,3 +53,51 @@ def test_done_callbacks_run_once_even_when_added_late():
 def test_failed_constructor():
     op = TransferOp.failed("no route")
     assert op.poll() is TransferState.FAILED and op.error == "no route"
+
+
+def test_finished_is_woken_by_the_workers_final_transition():
+    import asyncio
+    import threading
+
+    async def main():
+        op = TransferOp(1, 8)
+        op.start()
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        ticker = asyncio.create_task(tick())
+        threading.Timer(0.05, op.finish).start()  # the worker ends it from its own thread
+        state = await asyncio.wait_for(op.finished(), 5)
+        ticker.cancel()
+        return state, ticks, await op.finished()
+
+    state, ticks, again = asyncio.run(main())
+    assert state is again is TransferState.DONE
+    assert ticks > 5  # the loop kept running while the op was in flight
+
+
+def test_a_cancelled_wait_leaves_the_transfer_running_and_a_broken_callback_harms_no_other():
+    import asyncio
+
+    async def main():
+        op = TransferOp(1, 8)
+        op.start()
+        waiter = asyncio.create_task(op.finished())
+        await asyncio.sleep(0)
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        assert op.poll() is TransferState.TRANSFERRING and not op.is_cancelled
+        seen = []
+        op.add_done_callback(lambda o: 1 / 0)
+        op.add_done_callback(lambda o: seen.append(o.poll()))
+        second = asyncio.create_task(op.finished())
+        await asyncio.sleep(0)
+        op.finish("peer died")
+        return seen, await second
+
+    assert asyncio.run(main()) == ([TransferState.FAILED], TransferState.FAILED)

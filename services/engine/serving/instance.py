@@ -1,5 +1,6 @@
 """What a prefill or decode instance is made of: the engine thread, its KV pool registered as a
-memory region, and the transfer engine that lets peers read (or write) that pool one-sided.
+memory region, the transfer engine that lets peers read (or write) that pool one-sided, and the
+:class:`EngineSeam` its worker and store connector reach the engine through.
 
 Shared by the prefill and decode services so both register their pool the same way.
 """
@@ -25,12 +26,13 @@ from services.common.metrics import restart_count
 from services.common.server import ServerOptions, serve
 from services.common.errors import InvalidRequestError
 from services.common.wire import LoadReport, ModelInfo, RequestSpec, TensorBytes
-from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.models.loader import load_model
 from services.engine.sequence import MultiModalInput
-from services.engine.store_connector import StoreConnector
+from services.engine.serving.async_engine import AsyncEngine
+from services.engine.serving.seam import EngineSeam
+from services.engine.serving.store_connector import StoreConnector
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +86,13 @@ class EngineInstance:
                                        advertise_host=config.advertise_host)
         if self.region is not None:
             self.transfer.register(self.region)
+        self.seam = EngineSeam(self.engine, self.transfer, self.region.region_id if self.region else None)
         self.store: StoreConnector | None = None
         if config.kvstore:
             from services.kvstore.client import StoreClient
 
-            self.store = StoreConnector(self, StoreClient(config.kvstore, config.kvstore_replicas,
-                                                          timeout_s=config.kvstore_timeout_s))
+            self.store = StoreConnector(self.seam, StoreClient(config.kvstore, config.kvstore_replicas,
+                                                               timeout_s=config.kvstore_timeout_s))
 
     def _allocate_region(self, num_bytes: int):
         self.region = MemoryRegion.allocate(num_bytes, region_id=f"{self.instance_id}-kv")
@@ -111,11 +114,6 @@ class EngineInstance:
         while self.engine.error is None:
             await asyncio.sleep(period_s)
         logger.error("the engine died: %r", self.engine.error)
-
-    def block_ranges(self, block_ids) -> list[tuple[int, int]]:
-        """(offset, length) in the region of each block: the pool is block-major."""
-        size = self.llm.kv_block_bytes
-        return [(block_id * size, size) for block_id in block_ids]
 
     def model_info(self) -> ModelInfo:
         cfg, path = self.llm.model_config, self.model_path

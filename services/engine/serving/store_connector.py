@@ -2,17 +2,17 @@
 
 Before a prompt joins the engine (prefill)::
 
-    prompt_hashes --> local prefix-cache hits (free) --> store lookup of the blocks after them
-       --> hit rule: at most L - margin tokens (kvstore/hit_rule.py; SWA models ask for the window)
-       --> reserve blocks (local hits pinned) --> acquire on the holders --> read one-sided
-       --> fill_prefix: the blocks join the local prefix cache --> release the store's leases
+    prompt_hashes --> local prefix-cache hits (free) --> acquire the blocks after them on their
+       holders --> hit rule: at most L - margin tokens (kvstore/hit_rule.py; SWA models ask for
+       the window) --> seam.reserve_prefix (local hits pinned) --> seam.read, one-sided
+       --> seam.commit: the blocks that arrived join the local prefix cache --> release the leases
     then the request is added as usual and its admission hits those blocks (num_cached_tokens).
 
 After a request (prefill after its hand-over; decode as each block fills and once finished), off
 the request's path::
 
-    export the cached full blocks of its tokens (pinned) --> store lookup: skip what is held
-       --> put the rest: the store nodes read them one-sided --> unpin
+    store lookup: skip what is held --> seam.export_prefix (the cached full blocks pinned)
+       --> put the rest: the store nodes read them one-sided --> seam.release (unpin)
 
 A store that is down or slow only costs hits: every failure here is logged and skipped.
 """
@@ -23,16 +23,13 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Sequence
 
 from kvstore.hashing import BlockHash
 from kvstore.hit_rule import ModelKVShape, hit_tokens
 from kvstore.transfer.descriptors import KVHandle
-from kvstore.transfer.engine import TransferEngine
-from kvstore.transfer.state import TransferState
 from services.common import metrics
-from services.engine.seams import KVReservation
 from services.engine.sequence import MultiModalInput
+from services.engine.serving.seam import EngineSeam, Reservation
 
 logger = logging.getLogger(__name__)
 
@@ -40,31 +37,12 @@ STORE_HIT_BLOCKS = metrics.counter("epd_kv_store_hit_blocks_total", "Blocks read
 STORE_LOOKUP_BLOCKS = metrics.counter("epd_kv_store_lookup_blocks_total",
                                       "Blocks looked up in the KV store (after local prefix-cache hits).")
 STORE_PUT_BLOCKS = metrics.counter("epd_kv_store_put_blocks_total", "Blocks written to the KV store.")
-_POLL_S = 0.0005
-
-
-async def read_kv(transfer: TransferEngine, handle: KVHandle, destinations: Sequence) -> str | None:
-    """Read ``handle``'s blocks into ``destinations``; the error, or None when done.
-
-    Cancelling waits for the copy to stop (it ends after one block): the destinations may not
-    be reused while a transfer still writes them.
-    """
-    op = transfer.read(handle, destinations)
-    try:
-        while op.poll() not in (TransferState.DONE, TransferState.FAILED):
-            await asyncio.sleep(_POLL_S)
-    except BaseException:
-        op.cancel()
-        op.wait()
-        raise
-    return op.error if op.poll() is TransferState.FAILED else None
 
 
 class StoreConnector:
-    def __init__(self, instance, client, shape: ModelKVShape = ModelKVShape()) -> None:
-        """``instance``: the :class:`~services.engine.serving.EngineInstance`; ``client``: a
-        :class:`~services.kvstore.client.StoreClient`."""
-        self.instance = instance
+    def __init__(self, seam: EngineSeam, client, shape: ModelKVShape = ModelKVShape()) -> None:
+        """``client``: a :class:`~services.kvstore.client.StoreClient`."""
+        self.seam = seam
         self.client = client
         self.shape = shape
         self._pushes: set[asyncio.Task] = set()
@@ -84,11 +62,11 @@ class StoreConnector:
             return 0
 
     async def _pull(self, token_ids: list[int], mm_inputs: tuple[MultiModalInput, ...], cache_salt: str) -> int:
-        engine, llm = self.instance.engine, self.instance.llm
-        if self.instance.region is None:
+        seam = self.seam
+        if not seam.has_host_pool:
             return 0  # a device pool: store reads need a host pool (see docs)
-        bs = llm.block_manager.block_size
-        hashes, num_local = await engine.call(llm.prompt_hashes, token_ids, mm_inputs, cache_salt)
+        bs = seam.block_size
+        hashes, num_local = await seam.prompt_hashes(token_ids, mm_inputs, cache_salt)
         max_blocks = hit_tokens(len(token_ids), bs, len(hashes), self.shape, lambda end: True) // bs
         if num_local >= max_blocks:
             return 0
@@ -103,14 +81,14 @@ class StoreConnector:
             # cached more blocks) or shrunk (evicted). The reservation is the one consistent
             # view from here on: each lent block goes to its own position in the prompt, and
             # only into the blocks the reservation allocated (past its own local hits).
-            reservation = await engine.call(llm.reserve_prefix, token_ids, hashes, num_blocks)
+            reservation = await seam.reserve_prefix(token_ids, hashes, num_blocks)
             if reservation is None:
                 return 0
             filled: list[int] = []
             try:
                 filled = await self._read(lent, num_local, reservation, num_blocks)
             finally:
-                await engine.call(llm.fill_prefix, reservation, token_ids, hashes, filled)
+                await seam.commit(reservation, filled)
         finally:
             self.client.release_soon(lent)
         STORE_HIT_BLOCKS.inc(len(filled))
@@ -118,18 +96,18 @@ class StoreConnector:
 
     async def _apply_hit_rule(self, num_tokens: int, hashes: list[BlockHash], num_block_hits: int) -> int:
         """Blocks the prefill may take: L1, or L1 - window when the SWA tier lacks the window."""
-        bs = self.instance.llm.block_manager.block_size
+        bs = self.seam.block_size
         l1 = hit_tokens(num_tokens, bs, num_block_hits, self.shape, lambda end: True)
         has_window = True
         if self.shape.sliding_window is not None and l1 > 0:
             has_window = await self.client.has_window(hashes[l1 // bs - 1], l1)
         return hit_tokens(num_tokens, bs, num_block_hits, self.shape, lambda end: has_window) // bs
 
-    async def _read(self, lent: list, first: int, reservation: KVReservation, num_blocks: int) -> list[int]:
+    async def _read(self, lent: list, first: int, reservation: Reservation, num_blocks: int) -> list[int]:
         """Read the lent blocks the reservation has room for: lent index ``i`` is the prompt's
         block ``first + i``, wanted when it falls in [reservation's local hits, ``num_blocks``).
         The positions that arrived, in order (the leases stay with the caller)."""
-        llm, reads = self.instance.llm, []
+        reads = []
         for item in lent:
             wanted = [j for j, i in enumerate(item.indices)
                       if reservation.num_local_blocks <= first + i < num_blocks]
@@ -137,10 +115,8 @@ class StoreConnector:
                 handle = KVHandle(item.handle.lease_id, item.handle.owner, item.handle.regions,
                                   tuple(item.handle.blocks[j] for j in wanted))
                 reads.append((item, [first + item.indices[j] for j in wanted], handle))
-        errors = await asyncio.gather(*(
-            read_kv(self.instance.transfer, handle,
-                    [llm.block_buffer(reservation.block_ids[p]).numpy() for p in positions])
-            for _, positions, handle in reads))
+        errors = await asyncio.gather(*(self.seam.read(reservation, handle, positions)
+                                        for _, positions, handle in reads))
         arrived: list[int] = []
         for (item, positions, _), error in zip(reads, errors):
             if error is None:
@@ -155,7 +131,7 @@ class StoreConnector:
                   cache_salt: str = "", request_class: str = "chat") -> asyncio.Task | None:
         """Write the tokens' cached full blocks to the store in the background; the write's
         task (None: this pool cannot be written from)."""
-        if self.instance.region is None:
+        if not self.seam.has_host_pool:
             return None
         task = asyncio.get_running_loop().create_task(self.push(token_ids, mm_inputs, cache_salt, request_class))
         self._pushes.add(task)
@@ -165,31 +141,28 @@ class StoreConnector:
     async def push(self, token_ids: list[int], mm_inputs: tuple[MultiModalInput, ...] = (),
                    cache_salt: str = "", request_class: str = "chat") -> int:
         """Write the blocks the store lacks; how many node copies were stored or renewed."""
-        engine, llm = self.instance.engine, self.instance.llm
+        seam = self.seam
         started = time.perf_counter()
         try:
-            hashes, _ = await engine.call(llm.prompt_hashes, token_ids, mm_inputs, cache_salt)
+            hashes, _ = await seam.prompt_hashes(token_ids, mm_inputs, cache_salt)
             num_held = len(await self.client.lookup(hashes)) if hashes else 0
-            export = await engine.call(llm.export_kv, token_ids, hashes)
-        except Exception:  # noqa: BLE001 - the engine stopped; nothing was pinned
+            export = await seam.export_prefix(token_ids, hashes, num_held, f"put-{uuid.uuid4().hex}")
+        except Exception:  # noqa: BLE001 - the engine stopped; nothing stays pinned
             logger.exception("KV store write-back failed before export")
             return 0
+        if export is None:
+            return 0
         try:
-            ids = export.block_ids[num_held:]
-            if not ids:
-                return 0
-            handle = await asyncio.to_thread(
-                self.instance.transfer.export, self.instance.region.desc.region_id,
-                self.instance.block_ranges(ids), f"put-{uuid.uuid4().hex}")
-            num_put = await self.client.put(hashes[num_held:num_held + len(ids)], handle, request_class)
-            STORE_PUT_BLOCKS.inc(len(ids))
-            logger.debug("wrote %d blocks to the KV store in %.3fs", len(ids), time.perf_counter() - started)
+            num_blocks = len(export.handle.blocks)
+            num_put = await self.client.put(hashes[num_held:num_held + num_blocks], export.handle, request_class)
+            STORE_PUT_BLOCKS.inc(num_blocks)
+            logger.debug("wrote %d blocks to the KV store in %.3fs", num_blocks, time.perf_counter() - started)
             return num_put
         except Exception:  # noqa: BLE001 - a cache write: losing it only costs a later hit
             logger.exception("KV store write-back failed")
             return 0
         finally:
-            engine.call_soon(llm.release, export)
+            seam.release(export)
 
     async def close(self) -> None:
         """Wait for the writes in flight (each ends on its own RPC timeout), then close."""

@@ -11,6 +11,9 @@ that alternates between running queued calls and running steps::
 Every mutation of the engine (add, abort, detach, KV hand-over) therefore happens between
 steps, and the event loop never blocks on the model. If a step raises, the engine is dead:
 every open stream gets the error and :attr:`error` is set, so the service exits non-zero.
+
+Services do not call into the engine through this directly: :class:`~services.engine.serving.seam.EngineSeam`
+names every call they make.
 """
 
 from __future__ import annotations
@@ -101,15 +104,20 @@ class AsyncEngine:
         """
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
+        added: list[str] = []
         try:
             grammar = None
             if params.structured is not None:
                 self._check_alive()
                 grammar = await asyncio.to_thread(self.engine.compile_grammar, params.structured)
             await self.call(self._add, prompt, params, request_id, output_token_ids, hold_for_kv,
-                            detach_after_first_token, mm_inputs, cache_salt, grammar)
+                            detach_after_first_token, mm_inputs, cache_salt, grammar, added)
         except BaseException:
-            self._streams.pop(request_id, None)
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            # A caller cancelled while its add waited in the queue leaves the add to run anyway:
+            # abort what it added, right behind it (a held request would count as load forever).
+            self.call_soon(self._abort_added, added)
             raise
         return stream
 
@@ -119,11 +127,18 @@ class AsyncEngine:
 
     # ----- the engine thread ---------------------------------------------------------------
     def _add(self, prompt, params, request_id, output_token_ids, hold_for_kv, detach, mm_inputs,
-             cache_salt, grammar) -> None:
+             cache_salt, grammar, added: list[str]) -> None:
         self.engine.add_request(prompt, params, request_id, output_token_ids, hold_for_kv, mm_inputs,
                                 cache_salt, grammar)
+        added.append(request_id)
         if detach:
             self._detach_after_first_token.add(request_id)
+
+    def _abort_added(self, added: list[str]) -> None:
+        """Abort the request an add whose caller left did add (nothing if the add failed: the
+        id may belong to another request)."""
+        for request_id in added:
+            self._abort(request_id)
 
     def _abort(self, request_id: str) -> None:
         self._detach_after_first_token.discard(request_id)

@@ -1,0 +1,217 @@
+"""The one seam between an engine and the services that drive it.
+
+The prefill and decode workers and the store connector reach their engine only through an
+:class:`EngineSeam`. Each call that touches the engine runs on the engine thread between steps
+(:class:`AsyncEngine`); the blocks this engine lends out or takes in travel in two objects::
+
+    lending (prefill's hand-over, KV store writes)                                 --> Export
+        add_then_detach(...) --> stream ends with a Handoff --> export_handoff(handoff, lease)
+        export_prefix(tokens, hashes, first_block, lease)
+            Export.handle is what a peer reads one-sided; release(export) unpins the blocks
+
+    taking in (decode's arriving prompt, KV store reads)                     --> Reservation
+        reserve_held(request_id)              a held request's prompt (local prefix hits first)
+        reserve_prefix(tokens, hashes, n)     a prompt's first n blocks, for the prefix cache
+            --> read(reservation, handle, positions): one-sided into the reserved blocks
+            --> commit(reservation, filled)   what arrived joins the engine
+              | recompute(reservation)        nothing usable did: the engine computes it
+            (aborting a held request also ends its reservation)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore.hashing import BlockHash
+from kvstore.transfer.descriptors import KVHandle
+from kvstore.transfer.engine import TransferEngine
+from services.common.sampling_params import SamplingParams
+from services.engine.seams import Handoff, KVExport, KVReservation
+from services.engine.sequence import BlockId, MultiModalInput
+from services.engine.serving.async_engine import AsyncEngine, RequestStream
+
+
+@dataclass
+class Reservation:
+    """Blocks reserved for KV that arrives from elsewhere: a held request's prompt
+    (``request_id``), or a prompt prefix bound for the prefix cache (``token_ids``, ``hashes``).
+
+    Position ``i`` is the prompt's block ``i``; the first ``num_local_blocks`` already hold their
+    KV (local prefix-cache hits). Ended once: :meth:`EngineSeam.commit` or :meth:`EngineSeam.recompute`.
+    """
+
+    blocks: KVReservation
+    request_id: str | None = None
+    token_ids: list[int] | None = None
+    hashes: list[BlockHash] | None = None
+
+    @property
+    def block_ids(self) -> list[BlockId]:
+        return self.blocks.block_ids
+
+    @property
+    def num_local_blocks(self) -> int:
+        return self.blocks.num_local_blocks
+
+
+@dataclass
+class Export:
+    """Blocks pinned here for one-sided readers, named by ``handle`` (its lease id is the
+    caller's); they stay pinned until :meth:`EngineSeam.release`."""
+
+    handle: KVHandle
+    pinned: Handoff | KVExport
+
+
+class EngineSeam:
+    def __init__(self, engine: AsyncEngine, transfer: TransferEngine, region_id: str | None) -> None:
+        """``region_id``: the KV pool's region in ``transfer``; None for a pool peers cannot
+        reach (a CUDA pool: its hand-overs carry no KV and decode recomputes, see docs)."""
+        self._engine = engine
+        self._llm = engine.engine
+        self._transfer = transfer
+        self._region_id = region_id
+
+    @property
+    def block_size(self) -> int:
+        return self._llm.config.block_size
+
+    @property
+    def block_bytes(self) -> int:
+        return self._llm.kv_block_bytes
+
+    @property
+    def has_host_pool(self) -> bool:
+        """Whether peers can read this pool one-sided, and reads can land in it."""
+        return self._region_id is not None
+
+    # ----- requests -----------------------------------------------------------------------
+    async def add(self, prompt: list[int], params: SamplingParams, request_id: str, *,
+                  output_token_ids: tuple[int, ...] = (), hold_for_kv: bool = False,
+                  mm_inputs: tuple[MultiModalInput, ...] = (), cache_salt: str = "") -> RequestStream:
+        """A request and the stream of its outputs (see :meth:`AsyncEngine.add`); with
+        ``hold_for_kv`` it waits, unscheduled, for its prompt's KV (:meth:`reserve_held`)."""
+        return await self._engine.add(prompt, params, request_id, output_token_ids, hold_for_kv,
+                                      mm_inputs=mm_inputs, cache_salt=cache_salt)
+
+    async def add_then_detach(self, prompt: list[int], params: SamplingParams, request_id: str, *,
+                              mm_inputs: tuple[MultiModalInput, ...] = (), cache_salt: str = "") -> RequestStream:
+        """The prefill hand-over: the request leaves the engine right after its first token
+        unless that token finished it; the stream's last item is then its :class:`Handoff`,
+        whose blocks stay allocated until released here (:meth:`export_handoff`, :meth:`release`)."""
+        return await self._engine.add(prompt, params, request_id, detach_after_first_token=True,
+                                      mm_inputs=mm_inputs, cache_salt=cache_salt)
+
+    # ----- lending blocks -----------------------------------------------------------------
+    async def export_handoff(self, handoff: Handoff, lease_id: str) -> Export:
+        """Name a hand-over's blocks for one-sided readers (checksummed off the event loop);
+        should that fail, the blocks are released."""
+        try:
+            handle = await self._describe(handoff.block_ids, lease_id)
+        except BaseException:
+            self.release(handoff)
+            raise
+        return Export(handle, handoff)
+
+    async def export_prefix(self, token_ids: list[int], hashes: list[BlockHash], first_block: int,
+                            lease_id: str) -> Export | None:
+        """Pin the cached full blocks of ``token_ids`` and name those from ``first_block`` on;
+        None (nothing stays pinned) when none are cached past it."""
+        pinned = await self._engine.call(self._llm.export_kv, token_ids, hashes)
+        block_ids = pinned.block_ids[first_block:]
+        if not block_ids:
+            self.release(pinned)
+            return None
+        try:
+            handle = await self._describe(block_ids, lease_id)
+        except BaseException:
+            self.release(pinned)
+            raise
+        return Export(handle, pinned)
+
+    def release(self, lent: Export | Handoff) -> None:
+        """Give lent blocks back: queued for the engine thread, so safe from any thread (a
+        lease's expiry) and from a cancelled task; a second release of the same blocks is a no-op."""
+        pinned = lent.pinned if isinstance(lent, Export) else lent
+        if isinstance(pinned, Handoff):
+            self._engine.call_soon(self._llm.release_handoff, pinned)
+        else:
+            self._engine.call_soon(self._llm.release, pinned)
+
+    async def _describe(self, block_ids: list[BlockId], lease_id: str) -> KVHandle:
+        if self._region_id is None:
+            raise RuntimeError("a pool peers cannot reach has nothing to export")
+        size = self.block_bytes
+        return await asyncio.to_thread(self._transfer.export, self._region_id,
+                                       [(block_id * size, size) for block_id in block_ids], lease_id)
+
+    # ----- taking blocks in ---------------------------------------------------------------
+    async def prompt_hashes(self, token_ids: list[int], mm_inputs: tuple[MultiModalInput, ...] = (),
+                            cache_salt: str = "") -> tuple[list[BlockHash], int]:
+        """The full blocks' hashes as the request will have them, and how many leading ones
+        the local prefix cache holds."""
+        return await self._engine.call(self._llm.prompt_hashes, token_ids, mm_inputs, cache_salt)
+
+    async def reserve_held(self, request_id: str) -> Reservation | None:
+        """Blocks for a held request's prompt, local prefix hits first; None: no room now."""
+        blocks = await self._engine.call(self._llm.reserve_kv, request_id)
+        return None if blocks is None else Reservation(blocks, request_id=request_id)
+
+    async def reserve_prefix(self, token_ids: list[int], hashes: list[BlockHash],
+                             num_blocks: int) -> Reservation | None:
+        """Blocks for a prompt's first ``num_blocks`` blocks, local hits pinned (from here on
+        the one view of the local prefix: other requests may have cached or evicted some of it
+        since :meth:`prompt_hashes`); None: no room now."""
+        blocks = await self._engine.call(self._llm.reserve_prefix, token_ids, hashes, num_blocks)
+        return None if blocks is None else Reservation(blocks, token_ids=token_ids, hashes=hashes)
+
+    async def read(self, reservation: Reservation, handle: KVHandle, positions: Sequence[int]) -> str | None:
+        """Read ``handle.blocks[i]`` one-sided into the reserved block at ``positions[i]``; the
+        error, or None when every block arrived (see :func:`read_kv`)."""
+        destinations = [self._llm.block_buffer(reservation.block_ids[p]).numpy() for p in positions]
+        return await read_kv(self._transfer, handle, destinations)
+
+    async def commit(self, reservation: Reservation, filled: Sequence[int] | None = None,
+                     num_cached_tokens: int = 0) -> None:
+        """The blocks at positions ``filled`` (default: every one past the local hits) now hold
+        their KV. A held request needs them all and starts generating (``num_cached_tokens``: what
+        its prefill found cached); a prefix's blocks that arrived join the prefix cache, and
+        every reserved block is unpinned (a block that did not arrive is computed later)."""
+        rest = range(reservation.num_local_blocks, len(reservation.block_ids))
+        if reservation.request_id is not None:
+            assert filled is None or list(filled) == list(rest), "a held request needs its whole prompt"
+            await self._engine.call(self._llm.commit_kv, reservation.request_id, num_cached_tokens)
+        else:
+            await self._engine.call(self._llm.fill_prefix, reservation.blocks, reservation.token_ids,
+                                    reservation.hashes, list(rest if filled is None else filled))
+
+    async def recompute(self, reservation: Reservation) -> None:
+        """Nothing usable arrived: the blocks go back and the engine computes the KV itself (a
+        held request is scheduled now; a prefix by the request that wanted it)."""
+        if reservation.request_id is not None:
+            await self._engine.call(self._llm.recompute_kv, reservation.request_id)
+        else:
+            await self.commit(reservation, filled=())
+
+
+async def read_kv(transfer: TransferEngine, handle: KVHandle, destinations: Sequence) -> str | None:
+    """Read ``handle``'s blocks into ``destinations``; the error, or None when done.
+
+    The wait is woken by the transfer's worker (no polling). Cancelling cancels the transfer and
+    still waits, without blocking the event loop and through further cancellations, until the
+    copy has stopped (after the block in flight): the destinations may be reused only then.
+    """
+    op = transfer.read(handle, destinations)
+    try:
+        await op.finished()
+    except BaseException:
+        op.cancel()
+        while not op.poll().is_final:
+            try:
+                await op.finished()
+            except asyncio.CancelledError:
+                continue  # cancelled again: the copy still has to stop first
+        raise
+    return op.error
