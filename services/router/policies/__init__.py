@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from services.router.policies.base import InstanceView, Pick, Policy, RequestView
+from services.router.policies.base import InstanceView, Pick, Policy, QueueingPolicy, RequestView
 
 POLICIES: dict[str, str] = {
     "round_robin": "services.router.policies.round_robin:RoundRobin",
@@ -33,4 +33,4 @@ def make_policy(name: str, **settings: Any) -> Policy:
     return getattr(importlib.import_module(module), cls)(**settings)
 
 
-__all__ = ["POLICIES", "InstanceView", "Pick", "Policy", "RequestView", "make_policy"]
+__all__ = ["POLICIES", "InstanceView", "Pick", "Policy", "QueueingPolicy", "RequestView", "make_policy"]

@@ -4,7 +4,8 @@ A policy is a small class with ``pick(request, instances) -> Pick | None`` over 
 snapshots; it never does I/O. The live router builds the snapshots from load reports, the
 simulator from its simulated instances, and both call the same policy objects (rule 7). A
 policy may keep its own state (a round-robin cursor, what it sent where) and learns what
-happened through ``on_pick`` only.
+happened through ``on_pick`` only. A :class:`QueueingPolicy` binds late instead: requests wait
+at the router until its ``dispatch`` starts them.
 """
 
 from __future__ import annotations
@@ -71,10 +72,6 @@ class Policy(ABC):
     def pick(self, request: RequestView, instances: Sequence[InstanceView]) -> Pick | None:
         """The instance for ``request`` among the available ``instances``; None: none fits now."""
 
-    queues: bool = False
-    """Whether requests wait at the router until ``dispatch`` starts them (late binding)
-    instead of being placed at once by ``pick``."""
-
     def on_arrival(self, request: RequestView) -> None:
         """``request`` came in (once, before it is placed or queued; a retry is not an arrival)."""
 
@@ -85,27 +82,29 @@ class Policy(ABC):
         """``request`` arrived but leaves unplaced (its client went away while it waited, or it
         failed: no instance was available)."""
 
-    def queue_of(self, request: RequestView) -> int:
-        """The router-side queue ``request`` waits in (queueing policies)."""
-        return 0
 
+class QueueingPolicy(Policy):
+    """A policy that binds late: requests wait at the router, one FIFO per ``queue_of``, until
+    ``dispatch`` starts one where there is room (``policies/placer.py`` runs the queues, live
+    and simulated alike). ``pick`` still places a request at once for callers that do not queue."""
+
+    @abstractmethod
+    def queue_of(self, request: RequestView) -> int:
+        """The router-side queue ``request`` waits in."""
+
+    @abstractmethod
     def dispatch(self, heads: Sequence[tuple[int, RequestView]],
                  instances: Sequence[InstanceView]) -> tuple[int, Pick] | None:
         """Which queue's head starts now, and where: ``heads`` holds (queue, request) for each
-        non-empty queue, oldest first. None: every head waits. This default places the oldest
-        head at once wherever ``pick`` says."""
-        if not heads:
-            return None
-        queue, request = heads[0]
-        pick = self.pick(request, instances)
-        return None if pick is None else (queue, pick)
+        non-empty queue, oldest first. None: every head waits."""
 
+    @abstractmethod
     def wake_after_s(self, instances: Sequence[InstanceView]) -> float | None:
         """With requests waiting and ``dispatch`` saying wait: in how many seconds it may say
         otherwise with no new report (queued compute drains as instances work); None: only a
         change in load can."""
-        return None
 
 
 def available(instances: Sequence[InstanceView]) -> list[InstanceView]:
-    return [i for i in instances if i.is_available]
+    # is_available spelled out: this runs over every instance at every pick and dispatch.
+    return [i for i in instances if i.is_healthy and not i.is_draining]

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 
 from services.common.cost_model import PrefillCost
-from services.router.policies.base import InstanceView, Pick, Policy, RequestView, available
+from services.router.policies.base import InstanceView, Pick, QueueingPolicy, RequestView, available
 from services.router.policies.least_requests import num_requests
 
 DEFAULT_BOUNDS = (16_384, 65_536, 262_144)
@@ -151,7 +151,7 @@ def validated(bounds: Sequence[int], caps: Sequence[int], round_s: float,
     return bounds, caps, float(round_s), float(room_s)
 
 
-class PrefillBuckets(Policy):
+class PrefillBuckets(QueueingPolicy):
     """Per-bucket router queues dispatched to the least queued compute (then fewer requests,
     then id) among the instances with room, the buckets re-divided every ``round_s`` seconds of
     ``clock``. A change in the set of available instances, or :meth:`configure`, re-divides at
@@ -162,7 +162,6 @@ class PrefillBuckets(Policy):
     request takes to reach it, so it does not idle in between."""
 
     name = "prefill_buckets"
-    queues = True
 
     def __init__(self, bounds: Sequence[int] = DEFAULT_BOUNDS, caps: Sequence[int] = (0, 0, 0, 0),
                  round_s: float = DEFAULT_ROUND_S, room_s: float = 0.1, cost: PrefillCost = PrefillCost(),

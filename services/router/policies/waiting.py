@@ -1,11 +1,13 @@
 """Requests waiting at the router for a queueing policy (late binding), live and simulated alike.
 
-    waiting.add(policy.queue_of(request), request, item)      # item: whatever the caller needs back
+    waiting.add(queue_of(policy, request), request, item)     # item: whatever the caller needs back
     for request, pick, item in dispatched(policy, waiting, views):  # views(): fresh snapshots
         ...send request to pick.instance_id (so the next views() shows it)...
 
 One FIFO per queue; ``heads`` gives each non-empty queue's oldest request, oldest first across
-queues, which is what ``Policy.dispatch`` chooses among. Pure bookkeeping: no I/O, no clock.
+queues, which is what ``QueueingPolicy.dispatch`` chooses among. Under any other policy there is
+one queue, and its head goes wherever ``pick`` says (requests left waiting by a queueing policy
+the router switched away from). Pure bookkeeping: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar
 
-from services.router.policies.base import InstanceView, Pick, Policy, RequestView
+from services.router.policies.base import InstanceView, Pick, Policy, QueueingPolicy, RequestView
 
 T = TypeVar("T")
 
@@ -51,21 +53,43 @@ class Waiting(Generic[T]):
 
     def drain(self) -> list[T]:
         """Everything still waiting, oldest first, leaving the queues empty."""
-        entries = sorted(e for q in self._queues.values() for e in q)
+        return [item for _, item in self.drain_requests()]
+
+    def drain_requests(self) -> list[tuple[RequestView, T]]:
+        """The same with each item's request."""
+        entries = sorted((e for q in self._queues.values() for e in q), key=lambda e: e[0])
         self._queues.clear()
-        return [item for _, _, item in entries]
+        return [(request, item) for _, request, item in entries]
 
     def sizes(self) -> dict[int, int]:
         """Requests per non-empty queue (safe to read from another thread: /metrics)."""
         return {key: len(q) for key, q in sorted(dict(self._queues).items()) if q}
 
 
+def queue_of(policy: Policy, request: RequestView) -> int:
+    """The queue ``request`` waits in under ``policy`` (0 unless it queues)."""
+    return policy.queue_of(request) if isinstance(policy, QueueingPolicy) else 0
+
+
+def choose(policy: Policy, heads: Sequence[tuple[int, RequestView]],
+           instances: Sequence[InstanceView]) -> tuple[int, Pick] | None:
+    """``policy.dispatch`` for a queueing policy; for any other, the oldest head where ``pick``
+    says."""
+    if isinstance(policy, QueueingPolicy):
+        return policy.dispatch(heads, instances)
+    if not heads:
+        return None
+    queue, request = heads[0]
+    pick = policy.pick(request, instances)
+    return None if pick is None else (queue, pick)
+
+
 def dispatched(policy: Policy, waiting: Waiting[T],
                views: Callable[[], Sequence[InstanceView]]) -> Iterator[tuple[RequestView, Pick, T]]:
-    """Starts waiting requests for as long as ``policy.dispatch`` finds room; the caller sends
-    each one before asking for the next (``views`` must then show it)."""
+    """Starts waiting requests for as long as the policy finds room; the caller sends each one
+    before asking for the next (``views`` must then show it)."""
     while len(waiting):
-        chosen = policy.dispatch(waiting.heads(), views())
+        chosen = choose(policy, waiting.heads(), views())
         if chosen is None:
             return
         queue, pick = chosen

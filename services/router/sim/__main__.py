@@ -11,10 +11,12 @@ SPEC balancers, prefill_buckets for prefill and decode_balance for decode; a bas
 (round_robin, least_requests, power_of_two, cache_aware) routes both stages.
 
 ``--load X`` time-scales the trace so the work it offers is X times what the perfectly balanced
-cluster can do in the trace's span (1.0: saturated), and the balanced bound, the perfectly even
-spread of all work over the instances with zero waiting (defined exactly in
-``services/router/sim/work.py``), is taken on that same scaled trace. The balance ratio is the
-achieved throughput over the bound's.
+cluster can do in the trace's span (1.0: saturated; ``services/router/sim/work.py``), and the
+balanced bound, a makespan no run of that scaled trace can beat (the least work spread evenly
+with zero waiting, or the latest request alone; ``services/router/sim/bound.py``), is taken on
+it once, for every policy. The balance ratio is the achieved throughput over the bound's. The
+router is the live one's placement core, seeing the instances through load reports every
+``--report-interval-s`` (the live 0.5 s times the time factor).
 
 Prints TTFT and TPOT p50/p99, throughput, SLO goodput, per-instance utilization, imbalance
 (slowest / mean) and the ratio; ``--compare`` runs more policies on the same scaled trace and
@@ -70,6 +72,8 @@ def parser() -> argparse.ArgumentParser:
                    help="when a prefill's KV store hit is looked up (see SimConfig.hits_at)")
     p.add_argument("--round-s", type=float, default=None,
                    help="prefill buckets' round period (default: the live 10 s x the trace's time factor)")
+    p.add_argument("--report-interval-s", type=float, default=None,
+                   help="instances' load report period (default: the live 0.5 s x the trace's time factor)")
     p.add_argument("--room-s", type=float, default=None,
                    help="prefill buckets: queued compute under which an instance takes a waiting request")
     p.add_argument("--bucket-bounds", type=int_list, default=None, help="3 prompt-length bounds, e.g. 16384,65536,262144")
@@ -93,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
             policy_names(name)
         costs = Costs(step_budget_s=args.step_budget_s, chunk_tokens=args.chunk_tokens,
                       decode_max_batch=args.decode_max_batch)
-        config = SimConfig(args.prefill, args.decode, costs, args.kv_capacity_blocks, hits_at=args.hits_at)
+        config = SimConfig(args.prefill, args.decode, costs, args.kv_capacity_blocks, hits_at=args.hits_at,
+                           report_interval_s=SimConfig.report_interval_s if args.report_interval_s is None
+                           else args.report_interval_s)
         requests = load_trace(args.trace, args.limit)
         started = time.perf_counter()
         experiment = prepare(requests, config, args.load)
@@ -103,17 +109,19 @@ def main(argv: list[str] | None = None) -> int:
     slo = Slo(args.slo_ttft_s, args.slo_tpot_s)
     reports = []
     for name in policies:
-        reports.append(evaluate(experiment, name, args.seed, slo, bucket_settings(args)))
+        reports.append(evaluate(experiment, name, args.seed, slo, bucket_settings(args), args.report_interval_s))
         print(describe(reports[-1]), end="\n\n", flush=True)
     if len(reports) > 1:
         print(table(reports), end="\n\n")
     if args.plot is not None:
         print(f"utilization plot: {plot_utilization(reports, args.plot)}")
     round_s = experiment.round_s if args.round_s is None else args.round_s
+    interval_s = experiment.report_interval_s if args.report_interval_s is None else args.report_interval_s
     print(f"{len(requests)} requests, {args.prefill} prefill + {args.decode} decode, prefill bucket "
-          f"rounds of {round_s:.3g} s, {len(reports)} run(s) in {time.perf_counter() - started:.1f} s")
+          f"rounds of {round_s:.3g} s, load reports every {interval_s:.3g} s, {len(reports)} run(s) in "
+          f"{time.perf_counter() - started:.1f} s")
     if args.json:
-        figures = {**reports[0].as_json(), "round_s": round(round_s, 6)}
+        figures = {**reports[0].as_json(), "round_s": round(round_s, 6), "report_interval_s": round(interval_s, 9)}
         if len(reports) > 1:
             figures["compare"] = {r.policy: r.summary() for r in reports[1:]}
         print(json.dumps(figures))

@@ -1,24 +1,29 @@
 """The event loop: a whole cluster of simulated prefill and decode instances behind the router's
-own policies.
+own placement core.
 
 Life cycle of a request in the simulation::
 
-    arrival (router looks the prefix up) ──> Prefill LB picks (a queueing policy: the request
+    arrival (router looks the prefix up) ──> prefill placer (a queueing policy: the request
     waits in the router's queue until it dispatches it) ──> prefill queue ──> prefill (KV store
-    hit looked up again when it starts; its new blocks stored when it ends; first token out)
-    ──> Decode LB picks ──> decode batch (joins at the next step boundary) ──> last token
+    hit looked up again when it starts; its new blocks stored when it ends; first token out;
+    the router releases it) ──> decode placer picks ──> decode batch (joins at the next step
+    boundary) ──> last token
 
-Routing goes through ``services.router.policies`` exactly as the live router calls it: the
-policy made by ``make_policy`` gets a ``RequestView`` and one ``InstanceView`` snapshot per
-instance, returns a ``Pick``, then hears ``on_pick``; a queueing policy's requests wait in
-``services.router.policies.waiting`` and are dispatched after every event, and at the wake-up
-the policy asks for. The prefix hits come from one shared
-``kvstore.index.EmbeddedIndex`` (the KV store: any prefill instance hits any prefix) on the
-simulation clock; the router's lookup at arrival fills ``RequestView.num_cached_tokens``.
-Snapshots are exact (the live router's are up to one load report old).
+Routing is the live router's, not a copy of it: one
+:class:`~services.router.policies.placer.Placer` per role (views, the router's queues, dispatch,
+wake-ups) over one :class:`~services.router.policies.estimate.LoadEstimate` per instance, with
+the simulation clock. So policies see what the live router sees: each simulated instance sends
+a load report every ``SimConfig.report_interval_s`` (the live 0.5 s, scaled with the trace by
+``experiment.py``), and between reports the estimate drains the reported queued compute at one
+second per second and adds what the router sent since, priced by the reference cost model
+scaled to what the instance's report says of its own queue. Dispatch runs when the live pool
+runs it: on an arrival, a prefill load report, a finished prefill (its release), and at the
+policy's wake-up. The prefix hits come from one shared ``kvstore.index.EmbeddedIndex`` (the KV
+store: any prefill instance hits any prefix) on the simulation clock; the router's lookup at
+arrival fills ``RequestView.num_cached_tokens``.
 
-Events at the same instant run decode finishes first, then prefill ends, then arrivals, then
-wake-ups, so a snapshot never shows work that is already over.
+Events at the same instant run decode finishes first, then prefill ends, then load reports,
+then arrivals, then wake-ups, so a report never shows work that is already over.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from typing import Any
 from kvstore.index import DEFAULT_CAPACITY_BLOCKS, EmbeddedIndex
 from services.common.cost_model import PrefillCost
 from services.router.policies import POLICIES, Policy, RequestView, make_policy
-from services.router.policies.waiting import Waiting, dispatched
+from services.router.policies.estimate import REPORT_INTERVAL_S, LoadEstimate
+from services.router.policies.placer import Dispatch, Placement, Placer
 from services.router.sim.instances import Queued, SimDecode, SimPrefill
 from services.router.sim.trace import TraceRequest
 from services.router.sim.work import CHAT_TTL_S, Costs
@@ -43,7 +49,7 @@ SPEC = "spec"
 """The SPEC balancers: prefill_buckets for prefill, decode_balance for decode."""
 SPEC_POLICIES = {"prefill": "prefill_buckets", "decode": "decode_balance"}
 
-_DECODE_FINISH, _PREFILL_DONE, _ARRIVAL, _WAKE = 0, 1, 2, 3
+_DECODE_FINISH, _PREFILL_DONE, _REPORT, _ARRIVAL, _WAKE = range(5)
 
 
 class SimClock:
@@ -70,6 +76,9 @@ class SimConfig:
     begins, as the reference swaps stored KV in during the forward pass and an engine's own
     prefix cache serves what it computed meanwhile) or "arrival" (only the lookup made when it
     was routed, which a prompt queued behind its own prefix then misses)."""
+    report_interval_s: float = REPORT_INTERVAL_S
+    """How often each simulated instance reports its load to the router (the live interval;
+    ``experiment.py`` scales it with the trace's time factor, as it does the bucket round)."""
 
     def __post_init__(self) -> None:
         if self.hits_at not in ("start", "arrival"):
@@ -77,6 +86,8 @@ class SimConfig:
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError(f"need at least one prefill and one decode instance "
                              f"(got {self.num_prefill} and {self.num_decode})")
+        if not self.report_interval_s > 0:
+            raise ValueError(f"report_interval_s must be > 0 (got {self.report_interval_s!r})")
 
 
 @dataclass
@@ -92,6 +103,8 @@ class RequestRecord:
     """Its prefill's compute seconds (after those hits)."""
     first_token_s: float = math.nan
     finish_s: float = math.nan
+    placement: Placement | None = None
+    """Where the prefill placer sent it (released when its prefill ends)."""
 
     @property
     def ttft_s(self) -> float:
@@ -141,38 +154,50 @@ class Cluster:
     def __init__(self, config: SimConfig, prefill_policy: Policy, decode_policy: Policy, clock: SimClock) -> None:
         self.config = config
         self.costs = config.costs
-        self.prefill_policy = prefill_policy
-        self.decode_policy = decode_policy
         self.clock = clock
         self.index = EmbeddedIndex(config.kv_capacity_blocks, clock=clock)
         self.prefills = [SimPrefill(f"prefill-{i}") for i in range(config.num_prefill)]
         self.decodes = [SimDecode(f"decode-{i}", config.costs.decode, config.costs.decode_max_batch,
                                   config.decode_kv_capacity_tokens) for i in range(config.num_decode)]
+        # The router: the live placement core, pricing what it sends by the reference model.
+        # Simulated instances never fail or fall silent, so no health timeout applies.
+        self.prefill_router: Placer[RequestRecord, LoadEstimate] = Placer(
+            "prefill", [LoadEstimate(p.instance_id) for p in self.prefills], prefill_policy, clock,
+            health_timeout_s=math.inf, cost=config.costs.prefill)
+        self.decode_router: Placer[None, LoadEstimate] = Placer(
+            "decode", [LoadEstimate(d.instance_id) for d in self.decodes], decode_policy, clock,
+            health_timeout_s=math.inf, cost=config.costs.prefill)
         self._prefill_by_id = {p.instance_id: p for p in self.prefills}
         self._decode_by_id = {d.instance_id: d for d in self.decodes}
         self._records: dict[str, RequestRecord] = {}
-        self._waiting: Waiting[RequestRecord] = Waiting()
-        """Requests a queueing prefill policy holds at the router."""
+        self._num_unfinished = 0
         self._wake_at: float | None = None
+        """The one wake-up the prefill policy asked for at the last dispatch (as the live timer)."""
         self._events: list[tuple[float, int, int, Any, int]] = []
         self._seq = 0
+
+    @property
+    def prefill_policy(self) -> Policy:
+        return self.prefill_router.policy
 
     def run(self, requests: Sequence[TraceRequest]) -> SimResult:
         for request in requests:
             record = RequestRecord(request, request.block_hashes())
             self._records[request.request_id] = record
             self._push(request.arrival_s, _ARRIVAL, record)
+        self._num_unfinished = len(requests)
+        if requests:
+            self._start_reports(requests[0].arrival_s)
+        handlers = {_ARRIVAL: self._route_prefill, _PREFILL_DONE: self._prefill_done, _REPORT: self._report}
         while self._events:
             at, kind, _, target, version = heapq.heappop(self._events)
             self.clock.now = at
-            if kind == _ARRIVAL:
-                self._route_prefill(target)
-            elif kind == _PREFILL_DONE:
-                self._prefill_done(target)
+            if kind in handlers:
+                handlers[kind](target)
             elif kind == _WAKE:
                 if at == self._wake_at:
                     self._wake_at = None
-                    self._dispatch_prefills()
+                    self._apply(self.prefill_router.dispatch())
             elif version == target.version:
                 self._decode_finish(target)
         return SimResult(list(self._records.values()), self.prefills, self.decodes, self.prefill_policy)
@@ -181,13 +206,25 @@ class Cluster:
         self._seq += 1
         heapq.heappush(self._events, (at, kind, self._seq, target, version))
 
-    def _pick(self, policy: Policy, view: RequestView, instances: Sequence, role: str) -> str:
-        """The live policy's pick over the instances' snapshots (every simulated one is available)."""
-        pick = policy.pick(view, [i.view(self.clock.now) for i in instances])
-        if pick is None:
-            raise RuntimeError(f"{policy.name} picked no {role} instance (all are available)")
-        policy.on_pick(view, pick)
-        return pick.instance_id
+    # ----- load reports -----------------------------------------------------------------------
+    def _start_reports(self, start: float) -> None:
+        """Every instance reports at the start and every interval after, in step: the router
+        opens every report stream when it starts, and an instance reports at once and then
+        every interval (live, the phases drift apart slowly; in step, the placer takes each
+        instance's view once per instant, which keeps a run of the full trace to seconds)."""
+        for router, instances in ((self.prefill_router, self.prefills), (self.decode_router, self.decodes)):
+            for instance, estimate in zip(instances, router.instances):
+                self._push(start, _REPORT, (router, instance, estimate))
+
+    def _report(self, target: tuple[Placer, SimPrefill | SimDecode, LoadEstimate]) -> None:
+        if not self._num_unfinished:
+            return      # all done: the streams stop with the simulation
+        router, instance, estimate = target
+        now = self.clock.now
+        router.on_report(estimate, instance.report(now))
+        if router is self.prefill_router:
+            self._apply(router.dispatch())
+        self._push(now + self.config.report_interval_s, _REPORT, target)
 
     # ----- prefill ----------------------------------------------------------------------------
     def _route_prefill(self, record: RequestRecord) -> None:
@@ -197,34 +234,25 @@ class Cluster:
         record.prefill_s = self.costs.prefill_seconds(request.input_length, record.num_cached)
         view = RequestView(request.request_id, request.input_length, request.output_length,
                            record.block_hashes, record.num_cached)
-        self.prefill_policy.on_arrival(view)
-        if self.prefill_policy.queues:
-            self._waiting.add(self.prefill_policy.queue_of(view), view, record)
-            self._dispatch_prefills()
-        else:
-            self._send_prefill(record, self._pick(self.prefill_policy, view, self.prefills, "prefill"))
+        self._apply(self.prefill_router.place(view, record))
 
-    def _send_prefill(self, record: RequestRecord, instance_id: str) -> None:
-        record.prefill_id = instance_id
-        instance = self._prefill_by_id[instance_id]
+    def _apply(self, outcome: Dispatch[RequestRecord, LoadEstimate]) -> None:
+        """Sends what the prefill placer started; arms its wake-up (replacing the last one)."""
+        if outcome.failed:
+            raise RuntimeError(f"{self.prefill_policy.name} failed {len(outcome.failed)} requests as "
+                               "unavailable (every simulated instance is available)")
+        for record, placement in outcome.started:
+            self._send_prefill(record, placement)
+        self._wake_at = None
+        if outcome.wake_after_s is not None:
+            self._wake_at = self.clock.now + outcome.wake_after_s
+            self._push(self._wake_at, _WAKE, None)
+
+    def _send_prefill(self, record: RequestRecord, placement: Placement) -> None:
+        record.placement, record.prefill_id = placement, placement.instance.instance_id
+        instance = self._prefill_by_id[record.prefill_id]
         instance.enqueue(Queued(record.request, record.num_cached, record.prefill_s))
         self._start_prefill(instance)
-
-    def _dispatch_prefills(self) -> None:
-        """Whatever the queueing policy starts now; if some still wait, a wake-up when it says."""
-        def views() -> list:
-            return [p.view(self.clock.now) for p in self.prefills]
-
-        for _, pick, record in dispatched(self.prefill_policy, self._waiting, views):
-            self._send_prefill(record, pick.instance_id)
-        if not len(self._waiting):
-            return
-        after = self.prefill_policy.wake_after_s(views())
-        if after is None:
-            return
-        if self._wake_at is None or self.clock.now + after < self._wake_at:
-            self._wake_at = self.clock.now + after
-            self._push(self._wake_at, _WAKE, None)
 
     def _start_prefill(self, instance: SimPrefill) -> None:
         item = instance.next_up()
@@ -235,7 +263,7 @@ class Cluster:
             record.num_hit_blocks = self.index.lookup(item.request.hash_ids)
             record.num_cached = item.request.cached_tokens(record.num_hit_blocks)
             record.prefill_s = self.costs.prefill_seconds(item.request.input_length, record.num_cached)
-        instance.start(item, now, record.prefill_s)
+        instance.start(item, now, record.prefill_s, item.request.input_length - record.num_cached)
         self._push(now + record.prefill_s, _PREFILL_DONE, instance)
 
     def _prefill_done(self, instance: SimPrefill) -> None:
@@ -246,33 +274,41 @@ class Cluster:
             self.index.insert(block_id, CHAT_TTL_S)
         record.first_token_s = self.clock.now
         if request.output_length <= 1:
-            record.finish_s = self.clock.now
+            self._finished(record, self.clock.now)
         else:
             self._route_decode(record)
         self._start_prefill(instance)
-        if len(self._waiting):
-            self._dispatch_prefills()
+        assert record.placement is not None
+        self.prefill_router.release(record.placement)   # the Prefill call returned
+        self._apply(self.prefill_router.dispatch())
 
     # ----- decode -----------------------------------------------------------------------------
     def _route_decode(self, record: RequestRecord) -> None:
         request = record.request
         view = RequestView(request.request_id, request.input_length, request.output_length,
                            record.block_hashes, request.input_length)
-        record.decode_id = self._pick(self.decode_policy, view, self.decodes, "decode")
+        placement = self.decode_router.pick(view)
+        if placement is None:
+            raise RuntimeError(f"{self.decode_router.policy.name} picked no decode instance (all are available)")
+        record.decode_id = placement.instance.instance_id
         instance = self._decode_by_id[record.decode_id]
         for item in instance.join(request, self.clock.now):
-            self._records[item.request.request_id].finish_s = instance.synced_at
+            self._finished(self._records[item.request.request_id], instance.synced_at)
         self._schedule_decode(instance)
 
     def _decode_finish(self, instance: SimDecode) -> None:
         for item in instance.on_finish_event():
-            self._records[item.request.request_id].finish_s = self.clock.now
+            self._finished(self._records[item.request.request_id], self.clock.now)
         self._schedule_decode(instance)
 
     def _schedule_decode(self, instance: SimDecode) -> None:
         at = instance.next_finish_at()
         if at is not None:
             self._push(at, _DECODE_FINISH, instance, instance.version)
+
+    def _finished(self, record: RequestRecord, at: float) -> None:
+        record.finish_s = at
+        self._num_unfinished -= 1
 
 
 def simulate(requests: Sequence[TraceRequest], config: SimConfig, policy: str = SPEC, seed: int = 0,

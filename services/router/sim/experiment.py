@@ -1,24 +1,29 @@
 """One trace, one cluster, one load: scaled once, then run under as many policies as asked, so
-every policy sees the same arrivals and is held against the same balanced bound.
+every policy sees the same arrivals and is held against the same balanced bound (``bound.py``).
 
 Time-scaling squeezes the trace's hours into seconds, and with them every shift in its length
-mix; the prefill buckets' rounds are scaled alike. Unless set, the round period is the live
-default (10 s) times the time factor, so a round covers the same stretch of the trace as ten
-seconds of it unscaled (the synthetic trace at load 1.0 on 64 + 64: 65 ms, ~26 requests).
-Unscaled, one round would span the whole run and the buckets would never divide the fleet.
+mix; the router's own clocks are scaled alike. Unless set, the prefill buckets' round period is
+the live default (10 s) times the time factor, so a round covers the same stretch of the trace
+as ten seconds of it unscaled (the synthetic trace at load 1.0 on 64 + 64: 65 ms, ~26
+requests), and the instances' load reports come every live 0.5 s times the time factor (3.3 ms
+there), so the router's view is as many arrivals old as it is live. Unscaled, one round would
+span the whole run and the buckets would never divide the fleet, and a report would be hundreds
+of arrivals stale.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from services.router.policies.estimate import REPORT_INTERVAL_S
 from services.router.policies.prefill_buckets import DEFAULT_ROUND_S
+from services.router.sim.bound import Bound, balanced_bound
 from services.router.sim.cluster import SPEC, SimConfig, simulate
 from services.router.sim.report import Report, Slo, build_report
 from services.router.sim.trace import TraceRequest, time_scaled
-from services.router.sim.work import OfferedWork, bound_makespan_s, offered_work, time_factor
+from services.router.sim.work import OfferedWork, offered_work, time_factor
 
 
 @dataclass(frozen=True)
@@ -30,11 +35,18 @@ class Experiment:
     time_factor: float
     work: OfferedWork
     """At the arrival-order replay's hits: what sets the load."""
+    bound: Bound
+    """The balanced bound of the scaled trace: every policy's ratio is over it."""
 
     @property
     def round_s(self) -> float:
         """The prefill buckets' round period on the scaled trace's clock (when not set)."""
         return DEFAULT_ROUND_S * self.time_factor
+
+    @property
+    def report_interval_s(self) -> float:
+        """The instances' load report interval on the scaled trace's clock (when not set)."""
+        return REPORT_INTERVAL_S * self.time_factor
 
     @property
     def is_prefill_busier(self) -> bool:
@@ -50,18 +62,20 @@ def prepare(requests: Sequence[TraceRequest], config: SimConfig, load: float = 1
         raise ValueError("the trace has no requests")
     work = offered_work(requests, config.costs, config.kv_capacity_blocks)
     factor = time_factor(requests, work, config.num_prefill, config.num_decode, load)
-    return Experiment(tuple(time_scaled(requests, factor)), config, load, factor, work)
+    scaled = tuple(time_scaled(requests, factor))
+    bound = balanced_bound(scaled, config.costs, config.num_prefill, config.num_decode)
+    return Experiment(scaled, config, load, factor, work, bound)
 
 
 def evaluate(experiment: Experiment, policy: str = SPEC, seed: int = 0, slo: Slo = Slo(),
-             configure: dict[str, Any] | None = None) -> Report:
-    """Run ``policy`` and hold it against the balanced bound of the work that run did.
-    ``configure``: the prefill buckets' settings (``round_s`` defaults to the scaled round)."""
-    config = experiment.config
+             configure: dict[str, Any] | None = None, report_interval_s: float | None = None) -> Report:
+    """Run ``policy`` and hold it against the experiment's balanced bound. ``configure``: the
+    prefill buckets' settings (``round_s`` defaults to the scaled round); ``report_interval_s``
+    defaults to the scaled live interval."""
+    interval = experiment.report_interval_s if report_interval_s is None else report_interval_s
+    config = replace(experiment.config, report_interval_s=interval)
     configure = {"round_s": experiment.round_s, **(configure or {})}
     result = simulate(experiment.requests, config, policy, seed, configure)
-    records = result.records
-    bound = bound_makespan_s([r.request for r in records], [r.prefill_s for r in records], config.costs,
-                             config.num_prefill, config.num_decode)
-    return build_report(policy, result, experiment.requests[0].arrival_s, bound, experiment.load,
-                        experiment.time_factor, experiment.work.hit_rate, experiment.is_prefill_busier, slo)
+    return build_report(policy, result, experiment.requests[0].arrival_s, experiment.bound.makespan_s,
+                        experiment.load, experiment.time_factor, experiment.work.hit_rate,
+                        experiment.is_prefill_busier, slo)

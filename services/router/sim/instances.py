@@ -1,9 +1,11 @@
-"""Simulated prefill and decode instances: their queues, their clocks, their load snapshots.
+"""Simulated prefill and decode instances: their queues, their clocks, their load reports.
 
 A **prefill instance** computes one prompt at a time, first come first served; a prompt's time
 is its step-by-step cost after the prefix the KV store served when its prefill began
-(``Costs.prefill_seconds``). Its snapshot counts the queued compute the way the engine reports
-it: the running prompt's remaining seconds plus the estimated seconds of the queued ones.
+(``Costs.prefill_seconds``). Its load report counts the queued compute the way the engine
+reports it (``LoadReport.queued_prefill_compute_s``, its own model): the running prompt's
+remaining seconds plus the estimated seconds of the queued ones; the running prompt's tokens
+count as uncomputed in proportion to its remaining time.
 
 A **decode instance** runs continuous batching: each step emits one token for every running
 request and costs ``DecodeCost.seconds(batch, kv)``; a request that arrives joins at the next
@@ -23,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.common.cost_model import DecodeCost
-from services.router.policies import InstanceView
+from services.common.wire import LoadReport
 from services.router.sim.trace import TraceRequest
 
 
@@ -43,16 +45,21 @@ class SimPrefill:
         self.queued_s = 0.0
         self.num_queued_tokens = 0
         self.running: Queued | None = None
+        self.running_since = 0.0
         self.running_until = 0.0
+        self.num_running_tokens = 0
         self.busy_s = 0.0
 
-    def view(self, now: float) -> InstanceView:
-        remaining_s = max(0.0, self.running_until - now) if self.running else 0.0
-        running_tokens = self.running.request.input_length - self.running.num_cached if self.running else 0
-        return InstanceView(
-            self.instance_id, "prefill", num_running=int(self.running is not None),
-            num_waiting=len(self.queue), num_queued_prefill_tokens=self.num_queued_tokens + running_tokens,
-            queued_compute_s=remaining_s + self.queued_s)
+    def report(self, now: float) -> LoadReport:
+        """What the engine would stream to the router now (``WatchLoad``)."""
+        remaining_s, num_tokens = 0.0, self.num_queued_tokens
+        if self.running is not None:
+            remaining_s = max(0.0, self.running_until - now)
+            span_s = self.running_until - self.running_since
+            num_tokens += round(self.num_running_tokens * remaining_s / span_s) if span_s > 0 else 0
+        return LoadReport(self.instance_id, "prefill", num_running=int(self.running is not None),
+                          num_waiting=len(self.queue), num_queued_prefill_tokens=num_tokens,
+                          queued_prefill_compute_s=remaining_s + self.queued_s)
 
     def enqueue(self, item: Queued) -> None:
         self.queue.append(item)
@@ -68,8 +75,10 @@ class SimPrefill:
         self.num_queued_tokens -= item.request.input_length - item.num_cached
         return item
 
-    def start(self, item: Queued, now: float, seconds: float) -> None:
-        self.running, self.running_until = item, now + seconds
+    def start(self, item: Queued, now: float, seconds: float, num_tokens: int) -> None:
+        """Computes ``item``'s ``num_tokens`` uncached tokens in ``seconds`` from ``now``."""
+        self.running, self.running_since, self.running_until = item, now, now + seconds
+        self.num_running_tokens = num_tokens
         self.busy_s += seconds
 
     def finish(self) -> Queued:
@@ -192,11 +201,12 @@ class SimDecode:
             self.kv += item.kv
         self._rebatch()
 
-    def view(self, now: float) -> InstanceView:
+    def report(self, now: float, block_size: int = 16) -> LoadReport:
+        """What the engine would stream to the router now (``WatchLoad``)."""
         kv = self.kv
         if self.running and now > self.synced_at:
             # Steps done since the last boundary (applied at the next event; this is a snapshot).
             kv += self.steps_done_by(now - self.synced_at) * len(self.running)
-        return InstanceView(
-            self.instance_id, "decode", num_running=len(self.running), num_waiting=len(self.waiting),
-            num_kv_tokens=kv + self.waiting_kv, kv_capacity_tokens=self.kv_capacity_tokens)
+        return LoadReport(self.instance_id, "decode", num_running=len(self.running), num_waiting=len(self.waiting),
+                          num_kv_tokens_in_use=kv + self.waiting_kv,
+                          num_total_blocks=self.kv_capacity_tokens // block_size)

@@ -5,8 +5,9 @@ Definitions (times in seconds, t0 the trace's first arrival):
 
 - makespan: t0 to the last request's last token;
 - throughput_tok_s: output tokens of the trace / makespan;
-- balanced_ratio: throughput_tok_s / bound_throughput_tok_s = bound makespan / makespan
-  (the bound: ``services/router/sim/work.py``);
+- balanced_ratio: throughput_tok_s / bound_throughput_tok_s = bound makespan / makespan (the
+  bound: ``services/router/sim/bound.py``, one per trace and load, the same for every policy,
+  so ratios rank policies as their throughputs do; at most 1);
 - TTFT: arrival to the first token (the end of prefill); TPOT: (last token - first token) /
   (output tokens - 1), over requests with at least two output tokens;
 - goodput: requests (and their output tokens) meeting both SLOs, per second of makespan;

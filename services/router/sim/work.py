@@ -1,4 +1,4 @@
-"""What each request costs, the load a trace offers, and the perfectly balanced offline bound.
+"""What each request costs and the load a trace offers.
 
 Costs come from ``services/common/cost_model.py`` (the reference numbers of SPEC.md), the same
 models the live router and the engines use:
@@ -11,35 +11,23 @@ models the live router and the engines use:
   prefill, so a request with O output tokens needs O - 1 decode steps, the j-th reading
   L + 1 + j tokens of its own KV.
 
-**Balanced bound.** Take the work a run actually had to do: each request r's prefill seconds
-P_r after the prefix the KV store served it in that run (a prefix still being computed
-elsewhere is not there yet, so repeats of a prompt arriving together all compute it), and its
-decode card-seconds at a full batch B_max, the cheapest a token can be,
+The balanced bound a run is held against, a makespan no run of the trace can beat, is built
+from these costs in ``bound.py``; ``decode_work_s`` (D_r: a request's decode card-seconds at a
+full batch B_max, the cheapest a token can be) and ``decode_alone_s`` (its decode alone, in a
+batch of one) are its decode terms::
 
     D_r = (O_r - 1) * (a / B_max + b) + c * (KV its steps read)
-    Z_r = P_r + (O_r - 1) * (a + b) + c * (KV its steps read)     (r alone: no queue, batch of 1)
-
-With N_p prefill and N_d decode instances, the trace's first arrival at t0 and r arriving at
-t_r, that work cannot be finished earlier than
-
-    bound makespan = max( sum P_r / N_p,  sum D_r / N_d,  max_r (t_r - t0 + Z_r) )
-
-after t0: the first two terms spread the total work perfectly evenly over the instances with
-zero waiting; by the third, no request finishes before it has arrived and been served alone. The
-balanced throughput is the trace's output tokens over that makespan; a run's balance ratio is
-its achieved throughput (the same tokens over its own makespan, t0 to the last token) over it,
-i.e. bound makespan / achieved makespan. Taking the run's own hits keeps cache effects (which
-the hit rate reports) out of a figure meant to measure balance.
+    decode alone = (O_r - 1) * (a + b) + c * (KV its steps read)
 
 **Offered work and load.** Before any run, the trace's ``hash_ids`` are replayed in arrival
 order through a fresh ``kvstore.index.EmbeddedIndex`` (the KV store's own index code; each
-request stores its blocks as it arrives), giving every request its offered prefill seconds.
-The offered load of a trace whose arrivals span S seconds is
-``max(sum P_r / N_p, sum D_r / N_d) / S`` over those: the busier stage's share of its balanced
-capacity. ``time_factor`` scales the arrival gaps so that it equals the requested load (1.0:
-the trace offers exactly what the balanced cluster can do in its span, so idle time cannot pad
-the ratio), and the bound is taken on the scaled trace, at that same load. (A run usually hits
-less than the replay, its prompts computing side by side, so at load 1.0 it is a little over.)
+request stores its blocks as it arrives), giving every request its offered prefill seconds P_r.
+The offered load of a trace whose arrivals span S seconds, with N_p prefill and N_d decode
+instances, is ``max(sum P_r / N_p, sum D_r / N_d) / S`` over those: the busier stage's share of
+its balanced capacity. ``time_factor`` scales the arrival gaps so that it equals the requested
+load (1.0: the trace offers exactly what the balanced cluster can do in its span), and the bound
+is taken on the scaled trace. (A run usually hits less than the replay, its prompts computing
+side by side, so at load 1.0 it is a little over.)
 """
 
 from __future__ import annotations
@@ -141,15 +129,3 @@ def time_factor(requests: Sequence[TraceRequest], work: OfferedWork, num_prefill
         raise ValueError(f"load must be > 0 (got {load!r})")
     offered = offered_load(requests, work, num_prefill, num_decode)
     return offered / load if offered != float("inf") else 1.0
-
-
-def bound_makespan_s(requests: Sequence[TraceRequest], prefill_s: Sequence[float], costs: Costs,
-                     num_prefill: int, num_decode: int) -> float:
-    """The balanced bound of the module docstring, in seconds after the first arrival, for
-    ``requests`` whose prefills took ``prefill_s`` (in the same order)."""
-    if not requests:
-        return 0.0
-    start = requests[0].arrival_s
-    latest_alone = max(r.arrival_s - start + p + costs.decode_alone_s(r) for r, p in zip(requests, prefill_s))
-    decode_s = sum(costs.decode_work_s(r) for r in requests)
-    return max(sum(prefill_s) / num_prefill, decode_s / num_decode, latest_alone)

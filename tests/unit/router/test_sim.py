@@ -15,7 +15,8 @@ from services.router.sim.cluster import SimClock, SimConfig, build_policy, simul
 from services.router.sim.experiment import evaluate, prepare
 from services.router.sim.instances import SimDecode
 from services.router.sim.trace import TraceRequest, load_trace, time_scaled
-from services.router.sim.work import Costs, bound_makespan_s, offered_load, offered_work, time_factor
+from services.router.sim.bound import balanced_bound
+from services.router.sim.work import Costs, offered_load, offered_work, time_factor
 
 # Prefill: 1 ms per token, nothing else, one step per prompt (budget far above any prompt here).
 LINEAR_PREFILL = PrefillCost(a=0.0, b=1e-3, d=0.0)
@@ -103,9 +104,9 @@ def test_a_prompt_queued_behind_its_prefix_hits_it_when_looked_up_at_start(hits_
 
 def test_bound_is_even_spread_or_the_latest_request_alone():
     four_at_once = [req(i, 0.0, 1000) for i in range(4)]  # 1 s of prefill each, no decode
-    assert bound_makespan_s(four_at_once, [1.0] * 4, COSTS, 2, 2) == pytest.approx(2.0)
+    assert balanced_bound(four_at_once, COSTS, 2, 2).makespan_s == pytest.approx(2.0)
     late = [req(0, 0.0, 1000), req(1, 10.0, 1000, 3)]  # r1 alone: 1 s + 2 decode steps
-    assert bound_makespan_s(late, [1.0, 1.0], COSTS, 2, 2) == pytest.approx(11.02)
+    assert balanced_bound(late, COSTS, 2, 2).makespan_s == pytest.approx(11.02)
 
 
 def test_a_perfect_spread_reaches_the_bound():
