@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         from services.launcher import main as up
         return up(argv[1:])
     if argv[:1] == ["admin"]:
-        from services.router.admin_cli import main as admin
+        from services.router.admin.cli import main as admin
         return admin(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

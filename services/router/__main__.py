@@ -16,11 +16,11 @@ import uvicorn
 
 from services.common.config import ConfigError, config_or_exit
 from services.router.config import RouterConfig
-from services.router.http import create_app
-from services.router.metrics import register_pool_metrics
-from services.router.admin import create_admin_app
-from services.router.gate import Gate, build_gate
-from services.router.pipeline import ClusterBackend
+from services.router.api.app import create_app
+from services.router.cluster.metrics import register_pool_metrics
+from services.router.admin.app import create_admin_app
+from services.router.access.gate import Gate, build_gate
+from services.router.cluster.pipeline import ClusterBackend
 from services.router.policies import Policy, make_policy
 from services.router.policies.prefill_buckets import scale_bounds
 

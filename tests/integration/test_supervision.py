@@ -108,7 +108,7 @@ def test_a_killed_instance_or_store_node_comes_back_and_no_new_request_fails(clu
     if not name.startswith("decode"):
         # The router retries a failed prefill elsewhere, and a store node's loss only costs hits.
         # A decode's loss fails the requests streaming from it unless the router moves them
-        # (mid-stream migration, services/router/pipeline.py).
+        # (mid-stream migration, services/router/cluster/pipeline.py).
         assert in_flight == []
     assert times["serving"] < RECOVERY_S
     assert cluster.metric(name, "epd_process_restarts") == 1

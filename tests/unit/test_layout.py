@@ -21,7 +21,9 @@ def imports_of(path: Path) -> set[str]:
 
 
 def modules(package: str) -> list[Path]:
-    return sorted((ROOT / package).rglob("*.py"))
+    """A package's modules, or the one module a ``.py`` path names."""
+    path = ROOT / package
+    return [path] if path.suffix == ".py" and path.is_file() else sorted(path.rglob("*.py"))
 
 
 def offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
@@ -40,6 +42,17 @@ ENGINE_INTERNALS = ("services.engine.engine", "services.engine.serving.async_eng
 @pytest.mark.parametrize("package, forbidden", [
     ("kvstore", ("services",)),
     ("services/router", ("torch", "triton", *ENGINE_SERVICES)),
+    # The router by concern: access (keys, limits) and errors know no protocol; the cluster side
+    # knows no HTTP; policies and the simulator are pure (no gRPC, no live pools).
+    ("services/router/access", ("services.router.api", "services.router.admin", "services.router.cluster")),
+    ("services/router/errors.py", ("services.router.api", "services.router.access", "services.router.admin",
+                                   "services.router.cluster")),
+    ("services/router/cluster", ("services.router.api", "services.router.access", "services.router.admin",
+                                 "fastapi", "starlette")),
+    ("services/router/policies", ("grpc", "asyncio", "services.router.api", "services.router.access",
+                                  "services.router.admin", "services.router.cluster")),
+    ("services/router/sim", ("grpc", "services.router.api", "services.router.access", "services.router.admin",
+                             "services.router.cluster")),
     ("services/engine", ("services.router", "services.prefill", "services.decode", "services.encoder")),
     ("services/prefill", ("services.router", "services.decode", "services.encoder")),
     ("services/decode", ("services.router", "services.prefill", "services.encoder")),
@@ -118,3 +131,76 @@ def test_every_rpc_of_the_contract_is_implemented(servicer, base):
     ours, generated = load(servicer), load(base)
     rpcs = [name for name, value in vars(generated).items() if callable(value) and name[0].isupper()]
     assert rpcs and [name for name in rpcs if getattr(ours, name) is getattr(generated, name)] == []
+
+
+def test_no_import_cycle():
+    """No two of our modules import each other, directly or through others (imports inside
+    functions count too: a cycle hidden in a function is still one)."""
+    graph = _import_graph()
+    assert _cycles(graph) == []
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Each of our modules (generated stubs aside) -> the modules of ours it imports."""
+    paths = {}
+    for p in [*modules("services"), *modules("kvstore")]:
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        if parts[:2] == ("services", "pb"):
+            continue
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    graph = {}
+    for name, path in paths.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        graph[name] = {t for t in targets if t in paths and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -9,7 +9,7 @@
 
 Views, queues, dispatch and wake-ups, over one :class:`LoadEstimate` per instance
 (``estimate.py``), with an injected clock; no asyncio, no gRPC. The live pool
-(``services/router/instances.py``) adds the load report streams, a future per waiting request and
+(``services/router/cluster/instances.py``) adds the load report streams, a future per waiting request and
 a timer for the wake-up; the simulator (``services/router/sim/cluster.py``) adds simulated
 instances reporting at the live interval and its event clock.
 

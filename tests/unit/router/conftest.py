@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from services.common.tokenizer import Tokenizer
-from services.router.http import create_app
+from services.router.api.app import create_app
 from tests.unit.router.fakes import ScriptedBackend, ServerThread
 
 SCRIPT_TEXT = "The capital of France is Paris. It is famous for the Eiffel Tower, café culture and art."

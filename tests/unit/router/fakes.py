@@ -14,7 +14,7 @@ import uvicorn
 
 from services.common.sampling_params import TokenLogprobs
 from services.common.tokenizer import Tokenizer
-from services.router.backend import GenerateChunk, GenerateRequest
+from services.router.cluster.backend import GenerateChunk, GenerateRequest
 
 
 @dataclass

@@ -15,9 +15,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 from services.common.errors import UnavailableError
-from services.router.auth import ApiKey, FileKeyStore
-from services.router.gate import Gate
-from services.router.limits import Lease, Limits, LocalLimiter, Refusal
+from services.router.access.auth import ApiKey, FileKeyStore
+from services.router.access.gate import Gate
+from services.router.access.limits import Lease, Limits, LocalLimiter, Refusal
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
                     "/v1/messages/count_tokens")

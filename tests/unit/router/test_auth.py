@@ -11,11 +11,11 @@ import stat
 import pytest
 from starlette.testclient import TestClient
 
-from services.router import admin_cli
-from services.router.admin import create_admin_app
-from services.router.auth import (ApiKey, FileKeyStore, KeyNotFound, hash_key, new_key, parse_config_key,
+from services.router.admin import cli as admin_cli
+from services.router.admin.app import create_admin_app
+from services.router.access.auth import (ApiKey, FileKeyStore, KeyNotFound, hash_key, new_key, parse_config_key,
                                   seed)
-from services.router.limits import Limits
+from services.router.access.limits import Limits
 from tests.unit.router.gate_fakes import RedisBacked
 
 TOKEN = "admin-token"
@@ -31,7 +31,7 @@ class Stores(RedisBacked):
     def make(self):
         if self.kind == "file":
             return FileKeyStore(self.path, reload_every_s=0)
-        from services.router.redis_access import RedisKeyStore
+        from services.router.access.redis_access import RedisKeyStore
         return RedisKeyStore(self.redis_client(), self.prefix)
 
 

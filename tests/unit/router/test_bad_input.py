@@ -10,10 +10,10 @@ import httpx
 import pytest
 
 from services.common.errors import InvalidRequestError, PromptTooLongError
-from services.router import openai_api as api
-from services.router.body_checks import (MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, MAX_JSON_VALUES, check_json_size,
+from services.router.api import openai_api as api
+from services.router.api.body_checks import (MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, MAX_JSON_VALUES, check_json_size,
                                          check_json_text, parse_json_text)
-from services.router.openai_models import ChatCompletionRequest, ChatMessage
+from services.router.api.openai_models import ChatCompletionRequest, ChatMessage
 
 BIG = 2**70  # 1180591620717411303424, the seed that once failed in the proto conversion
 SURROGATES = '"a \\ud800 b \\udfff"'  # JSON text: lone surrogates, which JSON may spell

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from services.common.errors import InvalidRequestError
-from services.router.tools import ToolPlan, anthropic_plan, check_tool
+from services.router.api.tools import ToolPlan, anthropic_plan, check_tool
 from tests.unit.router.conftest import SCRIPT_TEXT
 from tests.unit.router.fakes import openai_error
 

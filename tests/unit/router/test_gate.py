@@ -9,9 +9,9 @@ import json
 import pytest
 
 from services.common.errors import UnavailableError
-from services.router.auth import ApiKey, FileKeyStore, hash_key
-from services.router.gate import Gate
-from services.router.limits import Limits, LocalLimiter
+from services.router.access.auth import ApiKey, FileKeyStore, hash_key
+from services.router.access.gate import Gate
+from services.router.access.limits import Limits, LocalLimiter
 from tests.unit.router.gate_fakes import GENERATION_PATHS, Call, FakeClock, TinyApp, bearer
 
 GOOD, LIMITED, REVOKED, HELD = "epd-good", "epd-limited", "epd-revoked", "epd-held"

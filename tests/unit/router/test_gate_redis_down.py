@@ -14,12 +14,12 @@ import pytest
 
 from services.common.config import ConfigError, parse_config
 from services.common.errors import UnavailableError
-from services.router.auth import ApiKey, hash_key
+from services.router.access.auth import ApiKey, hash_key
 from services.router.config import RouterConfig
-from services.router.gate import REFUSALS, Gate
-from services.router.key_cache import CachedKeyStore
-from services.router.limits import Limits
-from services.router.redis_access import LIMITS_DEGRADED, DegradingLimiter
+from services.router.access.gate import REFUSALS, Gate
+from services.router.access.key_cache import CachedKeyStore
+from services.router.access.limits import Limits
+from services.router.access.redis_access import LIMITS_DEGRADED, DegradingLimiter
 from tests.unit.router.gate_fakes import Call, FakeClock, FlakyKeyStore, FlakyLimiter, TinyApp, bearer
 
 GOOD, OTHER, LIMITED, HELD = "epd-good", "epd-other", "epd-limited", "epd-held"
@@ -138,7 +138,7 @@ def test_fail_open_admits_under_this_routers_own_buckets_and_logs_once(caplog):
         limiter.is_down = False
         assert (await call(tiny, key=LIMITED).run()).status == 200
         assert (await call(tiny, key=LIMITED).run()).status == 429
-    with caplog.at_level(logging.WARNING, "services.router.redis_access"):
+    with caplog.at_level(logging.WARNING, "services.router.access.redis_access"):
         asyncio.run(test())
     assert LIMITS_DEGRADED.labels("local")._value.get() == local_before + 3
     assert limiter.failed == {"acquire": 3}
@@ -210,7 +210,7 @@ def test_a_dead_redis_fails_a_call_fast_and_then_is_skipped():
     import time
 
     from services.common.redis_link import RedisHealth, async_client
-    from services.router.redis_access import RedisKeyStore
+    from services.router.access.redis_access import RedisKeyStore
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -255,7 +255,7 @@ def test_a_router_restarted_while_redis_is_down_starts_and_serves_its_configured
     import redis as redis_py
 
     from services.common.metrics import RESTART_COUNT_ENV
-    from services.router.gate import build_gate
+    from services.router.access.gate import build_gate
     from tests.unit.router.gate_fakes import Call
 
     with socket.socket() as s:

@@ -13,11 +13,11 @@ import openai
 import pytest
 
 from services.common.config import ConfigError, parse_config
-from services.router.auth import ApiKey, FileKeyStore, hash_key
+from services.router.access.auth import ApiKey, FileKeyStore, hash_key
 from services.router.config import RouterConfig
-from services.router.gate import Gate, build_gate, open_without_keys
-from services.router.http import create_app
-from services.router.limits import Lease, Limits, LocalLimiter
+from services.router.access.gate import Gate, build_gate, open_without_keys
+from services.router.api.app import create_app
+from services.router.access.limits import Lease, Limits, LocalLimiter
 from tests.unit.router.conftest import SCRIPT_TEXT
 from tests.unit.router.fakes import ServerThread
 
@@ -99,7 +99,7 @@ def test_bodies_over_the_limit_are_413_over_http(gated):
 
 
 def test_the_first_key_made_through_the_admin_api_turns_keys_on(tmp_path, backend):
-    from services.router.admin import create_admin_app
+    from services.router.admin.app import create_admin_app
 
     gate = build(api_keys_file=str(tmp_path / "keys.json"))  # a new file: no keys, open on loopback
     with ServerThread(create_app(backend, gate=gate)) as router, \
@@ -137,7 +137,7 @@ def build(**settings) -> Gate:
 
 
 def test_the_router_starts_open_on_loopback_and_says_so(caplog):
-    with caplog.at_level(logging.WARNING, "services.router.gate"):
+    with caplog.at_level(logging.WARNING, "services.router.access.gate"):
         gate = build()
     assert gate.is_open_without_keys and not gate.store.is_persistent
     assert "open to anyone who can reach it on this machine" in caplog.text
@@ -145,7 +145,7 @@ def test_the_router_starts_open_on_loopback_and_says_so(caplog):
 
 
 def test_beyond_loopback_an_empty_keys_file_starts_closed(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, "services.router.gate"):
+    with caplog.at_level(logging.WARNING, "services.router.access.gate"):
         gate = build(host="0.0.0.0", api_keys_file=str(tmp_path / "keys.json"), rpm=5, max_body_bytes=99)
     assert not gate.is_open_without_keys and "every API request gets 401" in caplog.text
     assert gate.default_limits == Limits(rpm=5) and gate.max_body_bytes == 99
@@ -167,8 +167,8 @@ def test_configured_keys_are_seeded_and_bad_ones_are_not_echoed():
 
 
 def test_redis_holds_the_keys_when_configured(redis_url):
-    from services.router.key_cache import CachedKeyStore
-    from services.router.redis_access import DegradingLimiter, RedisKeyStore, RedisLimiter, redacted
+    from services.router.access.key_cache import CachedKeyStore
+    from services.router.access.redis_access import DegradingLimiter, RedisKeyStore, RedisLimiter, redacted
 
     gate = build(host="0.0.0.0", redis_url=redis_url)
     assert isinstance(gate.store, CachedKeyStore) and isinstance(gate.store.store, RedisKeyStore)

@@ -10,9 +10,9 @@ import grpc
 import httpx
 
 from services.common.wire import LoadReport
-from services.router.admin import create_admin_app
-from services.router.instances import InstancePool
-from services.router.pipeline import ClusterBackend
+from services.router.admin.app import create_admin_app
+from services.router.cluster.instances import InstancePool
+from services.router.cluster.pipeline import ClusterBackend
 from services.router.policies import RequestView, make_policy
 
 

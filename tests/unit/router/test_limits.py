@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from services.router.limits import Lease, Limits, LocalLimiter, Refusal, refilled, refusal
+from services.router.access.limits import Lease, Limits, LocalLimiter, Refusal, refilled, refusal
 from tests.unit.router.gate_fakes import FakeClock, RedisBacked
 
 KEY, OTHER = "a" * 64, "b" * 64
@@ -24,7 +24,7 @@ class Limiters(RedisBacked):
         clock = self.clock if clock == "default" else clock
         if self.kind == "local":
             return LocalLimiter(clock)
-        from services.router.redis_access import RedisLimiter
+        from services.router.access.redis_access import RedisLimiter
         return RedisLimiter(self.redis_client(), self.prefix, clock, lease_ttl_s)
 
 

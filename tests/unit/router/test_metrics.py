@@ -13,8 +13,8 @@ from prometheus_client import REGISTRY
 
 from services.common.cost_model import PrefillCost
 from services.common.wire import LoadReport
-from services.router.instances import InstancePool
-from services.router.metrics import PoolMetrics, register_pool_metrics
+from services.router.cluster.instances import InstancePool
+from services.router.cluster.metrics import PoolMetrics, register_pool_metrics
 from services.router.policies import RequestView, make_policy
 from services.router.policies.prefill_buckets import PrefillBuckets
 

@@ -9,10 +9,11 @@ import pytest
 
 from services.common.errors import InvalidRequestError, PromptTooLongError, UnavailableError
 from services.common.sampling_params import SamplingParams
-from services.router import openai_api as api
-from services.router.backend import GenerateChunk, GenerateRequest
-from services.router.http import describe_validation_errors
-from services.router.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest
+from services.router.api import openai_api as api
+from services.router.cluster.backend import GenerateChunk, GenerateRequest
+from services.router.api.app import describe_validation_errors
+from services.router.api.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest
+from services.router.api.output import OutputText
 
 PNG = "data:image/png;base64," + base64.b64encode(b"\x89PNG fake").decode()
 
@@ -176,7 +177,7 @@ def test_unsupported_completion_fields_say_so(fields):
 
 def feed(tokenizer, token_ids, stop=(), finish=("stop", None), per_chunk=1, **params):
     request = GenerateRequest("r", tuple(tokenizer.encode("Hi")), SamplingParams(stop=stop, max_tokens=500, **params))
-    out = api.OutputText(tokenizer, request)
+    out = OutputText(tokenizer, request)
     deltas = []
     for start in range(0, len(token_ids), per_chunk):
         last = start + per_chunk >= len(token_ids)

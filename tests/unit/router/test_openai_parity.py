@@ -13,12 +13,12 @@ import openai
 import pytest
 
 from services.common.config import ConfigError, parse_config
-from services.router import openai_api as api
-from services.router.auth import ApiKey, FileKeyStore, hash_key
+from services.router.api import openai_api as api
+from services.router.access.auth import ApiKey, FileKeyStore, hash_key
 from services.router.config import RouterConfig
-from services.router.gate import Gate
-from services.router.http import create_app
-from services.router.limits import Limits, LocalLimiter
+from services.router.access.gate import Gate
+from services.router.api.app import create_app
+from services.router.access.limits import Limits, LocalLimiter
 from tests.unit.router.fakes import ServerThread, openai_error
 
 MESSAGES = [{"role": "user", "content": "Hello"}]

@@ -13,7 +13,7 @@ import pytest
 
 from services.common.cost_model import PrefillCost
 from services.common.wire import LoadReport
-from services.router.instances import InstancePool
+from services.router.cluster.instances import InstancePool
 from services.router.policies import POLICIES, QueueingPolicy, RequestView, make_policy
 from services.router.policies.estimate import LoadEstimate
 from services.router.policies.placer import Placer

@@ -13,8 +13,8 @@ import pytest
 
 from services.common.errors import UnavailableError
 from services.common.wire import LoadReport
-from services.router.admin import create_admin_app
-from services.router.instances import InstancePool
+from services.router.admin.app import create_admin_app
+from services.router.cluster.instances import InstancePool
 from services.router.policies import InstanceView, Pick, RequestView, make_policy
 from services.router.policies.prefill_buckets import PrefillBuckets
 from services.router.policies.waiting import Waiting, dispatched

@@ -39,8 +39,8 @@ import redis.asyncio
 from services.common import metrics
 from services.common.errors import EPDError, UnavailableError
 from services.common.redis_link import RedisHealth
-from services.router.auth import ApiKey, KeyNotFound, only_match
-from services.router.limits import Clock, Lease, Limiter, Limits, LocalLimiter, Refusal
+from services.router.access.auth import ApiKey, KeyNotFound, only_match
+from services.router.access.limits import Clock, Lease, Limiter, Limits, LocalLimiter, Refusal
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from services.router.limits import Limits
+from services.router.access.limits import Limits
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """The OpenAI API's request bodies as pydantic models (they make /openapi.json); the responses are
-built in :mod:`services.router.openai_formats`.
+built in :mod:`services.router.api.openai_formats`.
 
 Unknown fields are ignored (the OpenAI SDK sends some we do not use). Fields the router does not
 support yet are still declared, so that a client that sets them gets a 400 that says so instead of
-a silently different answer; :mod:`services.router.openai_api` does those checks.
+a silently different answer; :mod:`services.router.api.openai_api` does those checks.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.router.body_checks import check_json_text
+from services.router.api.body_checks import check_json_text
 
 
 class _Body(BaseModel):

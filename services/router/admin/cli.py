@@ -24,7 +24,7 @@ import sys
 
 import httpx
 
-from services.router.auth import hash_key
+from services.router.access.auth import hash_key
 
 
 def _ints(text: str) -> list[int]:

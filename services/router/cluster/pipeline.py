@@ -39,8 +39,8 @@ from services.common.wire import (ImageInput, ModelInfo, RequestSpec, logprobs_f
                                   tensor_from_proto)
 from services.pb import common_pb2, decode_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 from services.pb import prefill_pb2, prefill_pb2_grpc
-from services.router.backend import GenerateChunk, GenerateRequest
-from services.router.instances import InstancePool
+from services.router.cluster.backend import GenerateChunk, GenerateRequest
+from services.router.cluster.instances import InstancePool
 from services.router.policies import Policy, RequestView, make_policy
 
 logger = logging.getLogger(__name__)

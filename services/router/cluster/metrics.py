@@ -20,7 +20,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from services.common.wire import LoadReport
-from services.router.instances import InstancePool
+from services.router.cluster.instances import InstancePool
 
 INSTANCE_LABELS = ["role", "instance_id"]
 LOAD_GAUGES: tuple[tuple[str, str, str], ...] = (

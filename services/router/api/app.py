@@ -1,9 +1,11 @@
 """The router's HTTP front door: OpenAI- and Anthropic-compatible routes over a :class:`Backend`.
 
-One module per protocol (openai_api / openai_models / openai_formats, anthropic_api, responses_api)
-turns its bodies into a GenerateRequest plus a format object; tools.py and structured.py turn tools
-and output formats into a grammar for every protocol; generation.py is the shared core that runs
-it. Life of a request here::
+One module per protocol (openai_api / openai_models / openai_formats, anthropic_api, responses_api /
+responses_models / responses_format) exposes the same two entry points: ``build(body, backend,
+model_names)`` turns its body into a GenerateRequest plus a format object, and ``error_body`` is
+its error format (from ``services/router/errors.py``); tools.py and structured.py turn tools and
+output formats into a grammar for every protocol; generation.py (with output.py) is the shared
+core that runs any of them, and this module only routes. Life of a request here::
 
     [CORS: a preflight is answered here] -> [gate: API key, limits, body size]
         -> body (pydantic) -> checks, chat template, token ids (a worker thread) -> GenerateRequest, Format
@@ -18,11 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import json
 import logging
 import time
-import uuid
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
@@ -35,22 +35,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware import Middleware
 
 from services.common.errors import EPDError
-from services.router import anthropic_api, responses_api, structured
-from services.router import openai_api as api
-from services.router.anthropic_api import CountTokensRequest, MessagesRequest
-from services.router.backend import Backend, GenerateRequest
-from services.router.body_checks import CheckedRoute
-from services.router.errors import describe_validation_errors, error_body_for, error_of
-from services.router.gate import Gate
-from services.router.generation import (CLIENT_CLOSED_STATUS, PROMPT_TOKENS, REQUESTS, ClientGone,
-                                        EventStreamResponse, Format, Generation, RequestTimer,
-                                        unless_disconnected)
-from services.router.openai_formats import ChatFormat, CompletionFormat
-from services.router.openai_models import ChatCompletionRequest, CompletionRequest
-from services.router.responses_api import ResponsesRequest
-from services.router.tools import openai_plan
+from services.router.access.gate import Gate
+from services.router.api import anthropic_api, openai_api, responses_api
+from services.router.api.anthropic_api import CountTokensRequest, MessagesRequest
+from services.router.api.body_checks import CheckedRoute
+from services.router.api.generation import (CLIENT_CLOSED_STATUS, PROMPT_TOKENS, REQUESTS, ClientGone,
+                                            EventStreamResponse, Format, Generation, RequestTimer,
+                                            unless_disconnected)
+from services.router.api.openai_models import ChatCompletionRequest, CompletionRequest
+from services.router.api.responses_models import ResponsesRequest
+from services.router.cluster.backend import Backend, GenerateRequest
+from services.router.errors import ErrorBody, describe_validation_errors, error_body_for, error_of
 
 logger = logging.getLogger(__name__)
+
+Build = Callable[[object, Backend, list[str]], tuple[GenerateRequest, Format]]
+"""A protocol's entry point: ``build(body, backend, model_names) -> (GenerateRequest, format)``
+(openai_api.build_chat / build_completion, anthropic_api.build, responses_api.build), each with
+its ``error_body``."""
 
 HEALTH_TIMEOUT_S = 5.0
 """A backend health check that takes longer counts as unhealthy: /health must never hang."""
@@ -68,60 +70,18 @@ class Routes:
     def __init__(self, backend: Backend, served_model_names: list[str] | None) -> None:
         self.backend = backend
         self.model_names = list(dict.fromkeys([*(served_model_names or ()), backend.model_name]))
-        self.system_fingerprint = api.system_fingerprint(backend.model_name)
-
-    def _openai_format(self, format_cls, request: GenerateRequest, body, **extra) -> Format:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return format_cls(request.request_id, body.model or self.backend.model_name, int(time.time()),
-                          include_usage, body.return_token_ids, body.n or 1,
-                          request.params.logprobs is not None, self.system_fingerprint, **extra)
-
-    def _chat_request(self, body: ChatCompletionRequest) -> tuple[GenerateRequest, Format]:
-        api.check_model(body.model, self.model_names)
-        api.check_chat_supported(body)
-        api.requested_max_tokens(body)
-        logit_bias = api.check_logit_bias(body.logit_bias, self.backend.tokenizer.vocab_size)
-        tools = openai_plan(body.tools, body.tool_choice)
-        constraint = structured.pick(("tools", tools and tools.structured()),
-                                     ("response_format", structured.from_response_format(body.response_format)),
-                                     ("structured_outputs", structured.from_extension(body.structured_outputs)))
-        prompt = api.chat_prompt(body.messages, self.backend.tokenizer, self.backend.image_token_id, tools,
-                                 self.backend.max_model_len)
-        params = api.sampling_params(body, len(prompt.token_ids), self.backend.max_model_len, "messages",
-                                     api.num_logprobs(body), constraint, logit_bias=logit_bias)
-        request = api.generate_request(f"chatcmpl-{uuid.uuid4().hex}", prompt, params, body, "chat")
-        return request, self._openai_format(ChatFormat, request, body, tools=tools)
-
-    def _completion_request(self, body: CompletionRequest) -> tuple[GenerateRequest, Format]:
-        api.check_model(body.model, self.model_names)
-        api.check_completion_supported(body)
-        api.requested_max_tokens(body)
-        logit_bias = api.check_logit_bias(body.logit_bias, self.backend.tokenizer.vocab_size)
-        constraint = structured.pick(("response_format", structured.from_response_format(body.response_format)),
-                                     ("structured_outputs", structured.from_extension(body.structured_outputs)))
-        prompt = api.completion_prompt(body.prompt, self.backend.tokenizer, self.backend.max_model_len)
-        params = api.sampling_params(body, len(prompt.token_ids), self.backend.max_model_len, "prompt",
-                                     api.num_logprobs(body), constraint, api.COMPLETION_DEFAULT_MAX_TOKENS,
-                                     logit_bias)
-        request = api.generate_request(f"cmpl-{uuid.uuid4().hex}", prompt, params, body, "agent")
-        return request, self._openai_format(CompletionFormat, request, body)
-
-    def _messages_request(self, body: MessagesRequest) -> tuple[GenerateRequest, Format]:
-        return anthropic_api.messages_request(body, self.backend, self.model_names)
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
-        return await self._serve(request, body, self._chat_request, RequestTimer("/v1/chat/completions"))
+        return await self._serve(request, body, openai_api.build_chat, openai_api.error_body, "/v1/chat/completions")
 
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
-        return await self._serve(request, body, self._completion_request, RequestTimer("/v1/completions"))
+        return await self._serve(request, body, openai_api.build_completion, openai_api.error_body, "/v1/completions")
 
     async def messages(self, request: Request, body: MessagesRequest) -> Response:
-        timer = RequestTimer("/v1/messages", anthropic_api.error_body)
-        return await self._serve(request, body, self._messages_request, timer)
+        return await self._serve(request, body, anthropic_api.build, anthropic_api.error_body, "/v1/messages")
 
     async def responses(self, request: Request, body: ResponsesRequest) -> Response:
-        build = functools.partial(responses_api.build, backend=self.backend, model_names=self.model_names)
-        return await self._serve(request, body, build, RequestTimer("/v1/responses"))
+        return await self._serve(request, body, responses_api.build, responses_api.error_body, "/v1/responses")
 
     async def count_tokens(self, body: CountTokensRequest) -> Response:
         """Anthropic's ``/v1/messages/count_tokens``: the templated prompt's length, nothing generated."""
@@ -132,11 +92,14 @@ class Routes:
             return JSONResponse(error, status_code=status)
         return JSONResponse({"input_tokens": len(prompt.token_ids)})
 
-    async def _serve(self, request: Request, body, build: Callable, timer: RequestTimer) -> Response:
+    async def _serve(self, request: Request, body, build: Build, error_body: ErrorBody, endpoint: str) -> Response:
+        """One generation request of any protocol: ``build`` (its protocol's entry point) turns the
+        body into a GenerateRequest and a format; the rest is the same for every protocol."""
+        timer = RequestTimer(endpoint, error_body)
         timer.state = request.scope.setdefault("state", {})
         try:
             # Templates and tokenizing are CPU work: off the event loop, which streams for everyone.
-            generate_request, fmt = await run_in_threadpool(build, body)
+            generate_request, fmt = await run_in_threadpool(build, body, self.backend, self.model_names)
         except Exception as exc:  # noqa: BLE001 - EPDError: the client's fault; else logged as a bug
             return timer.error(exc)
         if tenant := timer.state.get("epd_tenant"):

@@ -11,8 +11,8 @@ import re
 from services.common.errors import InvalidRequestError, invalid
 from services.common.sampling_params import StructuredOutput
 from services.common.structured import check_structured
-from services.router.body_checks import parse_json_text
-from services.router.openai_models import StructuredOutputs
+from services.router.api.body_checks import parse_json_text
+from services.router.api.openai_models import StructuredOutputs
 
 
 def _schema_text(schema, param: str) -> str:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 
 from services.common.errors import EPDError, UnavailableError
-from services.router.auth import ApiKey, KeyStore
+from services.router.access.auth import ApiKey, KeyStore
 
 DEFAULT_TTL_S = 5.0
 

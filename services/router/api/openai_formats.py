@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from services.common.sampling_params import TokenLogprobs
-from services.router.openai_api import OutputText, usage_of
-from services.router.tools import CallStart, StreamEvent, TextPiece, ToolPlan, ToolStream
+from services.router.api.openai_models import usage_body
+from services.router.api.output import OutputText
+from services.router.api.tools import CallStart, StreamEvent, TextPiece, ToolPlan, ToolStream
 
 Event = tuple[str | None, dict]
 
@@ -197,3 +198,9 @@ class CompletionFormat(_OpenAIFormat):
 
     def full_choice(self, out: OutputText) -> dict:
         return self._choice(out, out.text, out.finish_reason, self._logprobs(out, out.logprobs))
+
+
+def usage_of(outs: list[OutputText]) -> dict:
+    """One request's usage over its choices: the prompt once, every choice's output."""
+    first = outs[0]
+    return usage_body(first.num_prompt_tokens, sum(o.num_output_tokens for o in outs), first.num_cached_tokens)

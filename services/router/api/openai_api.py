@@ -27,7 +27,7 @@ Supported (``POST /v1/chat/completions`` and ``POST /v1/completions``):
   ``system_fingerprint`` (:func:`system_fingerprint`).
 * Logprobs: chat ``logprobs`` / ``top_logprobs`` (0 to 20), completions ``logprobs`` (0 to 20), of
   the raw logits; the first token's come from the prefill instance, the rest from decode.
-* Output constraints (services/router/structured.py, tools.py): ``response_format`` (``json_object``,
+* Output constraints (services/router/api/structured.py, tools.py): ``response_format`` (``json_object``,
   ``json_schema``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``grammar``, ``choice``,
   ``json_object``), and chat ``tools`` with ``tool_choice`` ``none`` / ``auto`` / ``required`` / a
   named function; one constraint per request.
@@ -47,30 +47,37 @@ input (malformed JSON and schema errors included, with the field named), 404 for
 cannot fit is refused before it is tokenized ("the prompt is at least N tokens": no token spans
 more than the vocabulary's longest entry, services/common/token_bound.py). Integers are checked
 against the wire's int32 / int64 and strings for lone surrogates before any work
-(services/router/body_checks.py).
+(services/router/api/body_checks.py).
 """
 
 from __future__ import annotations
 
 import binascii
+import functools
 import hashlib
 import importlib.metadata
 import math
 import re
 import secrets
+import time
+import uuid
 from dataclasses import dataclass
 
-from services.common.errors import (EPDError, ModelNotFoundError, PromptTooLongError, UnavailableError,
-                                    invalid)
-from services.common.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutput, TokenLogprobs
-from services.common.text import TextState
+from services.common.errors import ModelNotFoundError, PromptTooLongError, invalid
+from services.common.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutput
 from services.common.tokenizer import Tokenizer
-from services.router.backend import GenerateChunk, GenerateRequest
-from services.router.body_checks import check_ranges
-from services.router.openai_models import (ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                           SamplingFields, usage_body)
-from services.router.tools import ToolPlan, render_call, render_result
+from services.router.api import structured
+from services.router.api.body_checks import check_ranges
+from services.router.api.generation import Format
+from services.router.api.openai_formats import ChatFormat, CompletionFormat
+from services.router.api.openai_models import (ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                           SamplingFields)
+from services.router.api.tools import ToolPlan, openai_plan, render_call, render_result
+from services.router.cluster.backend import Backend, GenerateRequest
+from services.router.errors import openai_error_body
 
+error_body = openai_error_body
+"""The protocol's error format: one of its two entry points (with build_chat / build_completion)."""
 _ROLES = {"system": "system", "user": "user", "assistant": "assistant", "developer": "system", "tool": "tool"}
 MAX_CHOICES = 16
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -81,24 +88,7 @@ _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 NO_IMAGES = "this model takes no images (no vision encoder serves it)"
 """The 400 for an image part sent to a text-only model, in every protocol (OpenAI's too is a 400)."""
 _DATA_URI = re.compile(r"data:image/[\w.+-]+;base64,(?P<data>.*)", re.DOTALL)
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error",
-                504: "timeout_error"}
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    error_type = _ERROR_TYPES.get(status, "internal_server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
-def error_details(exc: EPDError) -> tuple[str | None, str | None]:
-    """The ``param`` and ``code`` of an EPDError's OpenAI body."""
-    param = getattr(exc, "param", None)
-    if param is None and (match := re.match(r"(\w+)=", str(exc))):  # SamplingParams names the field so
-        param = match.group(1)
-    return param, getattr(exc, "code", None)
-
-
+@functools.cache
 def system_fingerprint(model_name: str) -> str:
     """``system_fingerprint`` of every chat / completion object: the same for every request to one
     deployment (the model and the epd version), different when either changes, as OpenAI's is
@@ -368,89 +358,43 @@ def generate_request(request_id: str, prompt: Prompt, params: SamplingParams, bo
                            cache_salt=body.cache_salt or "", request_class=body.kv_retention or default_class)
 
 
-class OutputText:
-    """One request's output as chunks arrive: the text a client may be sent, and the usage.
-
-    The router detokenizes with the same :class:`TextState` the engine uses, so a stop string is
-    found here too; the caller then stops reading (and closes the backend iterator).
-    """
-
-    def __init__(self, tokenizer: Tokenizer, request: GenerateRequest, index: int = 0) -> None:
-        params = request.params
-        self.index = index
-        """The choice's index (OpenAI's ``n``)."""
-        self.tokenizer = tokenizer
-        self._state = TextState(tokenizer, request.prompt_token_ids, params.stop, params.skip_special_tokens)
-        # The token that ended a request on EOS / a stop token id is counted but not shown.
-        self._ending_ids = frozenset((*tokenizer.eos_token_ids, *params.stop_token_ids))
-        self.num_sent_chars = 0
-        self.num_prompt_tokens = len(request.prompt_token_ids)
-        self.num_cached_tokens = 0
-        self.num_output_tokens = 0
-        self.token_ids: list[int] = []
-        self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
-        self.logprobs: list[TokenLogprobs] = []
-        """Of the shown tokens (not of a hidden EOS / stop token id), when the request asked."""
-        self.num_sent_logprobs = 0
-        self.num_sent_token_ids = 0
-
-    @property
-    def text(self) -> str:
-        return self._state.text
-
-    @property
-    def is_finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def add(self, chunk: GenerateChunk) -> str:
-        """Feed one chunk; returns the text that became safe to send (all of it once finished)."""
-        assert not self.is_finished, "a chunk arrived after the request finished"
-        if chunk.finish_reason == "abort":
-            raise UnavailableError("the backend aborted the request; retry it")
-        self.num_prompt_tokens, self.num_cached_tokens = chunk.num_prompt_tokens, chunk.num_cached_tokens
-        token_ids = chunk.token_ids
-        hide_last = (chunk.finish_reason == "stop" and not isinstance(chunk.stop_reason, str)
-                     and token_ids and token_ids[-1] in self._ending_ids)
-        for i, token_id in enumerate(token_ids):
-            self.num_output_tokens += 1
-            self.token_ids.append(token_id)
-            if hide_last and i == len(token_ids) - 1:
-                break
-            if i < len(chunk.logprobs):
-                self.logprobs.append(chunk.logprobs[i])
-            if (stop := self._state.add(token_id)) is not None:
-                self.finish_reason, self.stop_reason = "stop", stop
-                return self._take(len(self.text))
-        if chunk.finish_reason is not None:
-            self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
-            self._state.finish()
-            return self._take(len(self.text))
-        return self._take(self._state.num_safe_chars)
-
-    def _take(self, end: int) -> str:
-        delta = self.text[self.num_sent_chars:end]
-        self.num_sent_chars = max(self.num_sent_chars, end)
-        return delta
-
-    def take_token_ids(self) -> list[int]:
-        """The token ids not handed out yet (``return_token_ids``: each stream chunk carries
-        those new since the previous one; all of them add up to ``token_ids``)."""
-        new = self.token_ids[self.num_sent_token_ids:]
-        self.num_sent_token_ids = len(self.token_ids)
-        return new
-
-    def take_logprobs(self) -> list[TokenLogprobs]:
-        """The logprobs not handed out yet (a stream sends each token's with the text it came in)."""
-        new = self.logprobs[self.num_sent_logprobs:]
-        self.num_sent_logprobs = len(self.logprobs)
-        return new
-
-    def usage(self) -> dict:
-        return usage_body(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
+# ----- the protocol's entry points (services/router/api/app.py routes to them) -----------------
+def build_chat(body: ChatCompletionRequest, backend: Backend, model_names: list[str]) -> tuple[GenerateRequest, Format]:
+    """A chat completions body's GenerateRequest and the format that answers it (runs off the
+    event loop: the chat template and tokenizing are CPU work)."""
+    check_model(body.model, model_names)
+    check_chat_supported(body)
+    requested_max_tokens(body)
+    logit_bias = check_logit_bias(body.logit_bias, backend.tokenizer.vocab_size)
+    tools = openai_plan(body.tools, body.tool_choice)
+    constraint = structured.pick(("tools", tools and tools.structured()),
+                                 ("response_format", structured.from_response_format(body.response_format)),
+                                 ("structured_outputs", structured.from_extension(body.structured_outputs)))
+    prompt = chat_prompt(body.messages, backend.tokenizer, backend.image_token_id, tools, backend.max_model_len)
+    params = sampling_params(body, len(prompt.token_ids), backend.max_model_len, "messages", num_logprobs(body),
+                             constraint, logit_bias=logit_bias)
+    request = generate_request(f"chatcmpl-{uuid.uuid4().hex}", prompt, params, body, "chat")
+    return request, _format(ChatFormat, request, body, backend, tools=tools)
 
 
-def usage_of(outs: list[OutputText]) -> dict:
-    """One request's usage over its choices: the prompt once, every choice's output."""
-    first = outs[0]
-    return usage_body(first.num_prompt_tokens, sum(o.num_output_tokens for o in outs), first.num_cached_tokens)
+def build_completion(body: CompletionRequest, backend: Backend,
+                     model_names: list[str]) -> tuple[GenerateRequest, Format]:
+    """A completions body's GenerateRequest and the format that answers it."""
+    check_model(body.model, model_names)
+    check_completion_supported(body)
+    requested_max_tokens(body)
+    logit_bias = check_logit_bias(body.logit_bias, backend.tokenizer.vocab_size)
+    constraint = structured.pick(("response_format", structured.from_response_format(body.response_format)),
+                                 ("structured_outputs", structured.from_extension(body.structured_outputs)))
+    prompt = completion_prompt(body.prompt, backend.tokenizer, backend.max_model_len)
+    params = sampling_params(body, len(prompt.token_ids), backend.max_model_len, "prompt", num_logprobs(body),
+                             constraint, COMPLETION_DEFAULT_MAX_TOKENS, logit_bias)
+    request = generate_request(f"cmpl-{uuid.uuid4().hex}", prompt, params, body, "agent")
+    return request, _format(CompletionFormat, request, body, backend)
+
+
+def _format(format_cls, request: GenerateRequest, body: SamplingFields, backend: Backend, **extra) -> Format:
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    return format_cls(request.request_id, body.model or backend.model_name, int(time.time()), include_usage,
+                      body.return_token_ids, body.n or 1, request.params.logprobs is not None,
+                      system_fingerprint(backend.model_name), **extra)

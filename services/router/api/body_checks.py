@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 from fastapi import Request, Response
@@ -33,9 +33,6 @@ from starlette.concurrency import run_in_threadpool
 
 from services.common.errors import invalid
 from services.common.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN
-
-if TYPE_CHECKING:
-    from services.router.openai_models import SamplingFields
 
 MAX_JSON_CONTAINERS = 50_000
 """Objects and arrays in one body: thousands of messages, tools and schema nodes fit."""
@@ -172,7 +169,18 @@ def _check_range(value: int | None, name: str, low: int, high: int) -> None:
         raise invalid(f"{name}={value} is invalid: must be an integer in [{low}, {high}]", name)
 
 
-def check_ranges(body: SamplingFields) -> None:
+class RangedFields(Protocol):
+    """What :func:`check_ranges` reads: every protocol's sampling fields (openai_models.SamplingFields)."""
+
+    seed: int | None
+    n: int | None
+    top_k: int | None
+    min_tokens: int
+    stop_token_ids: list[int] | None
+    stop: str | list[str] | None
+
+
+def check_ranges(body: RangedFields) -> None:
     """Every integer that reaches the wire (proto int32 / int64) and every list whose length is a
     cost, checked before any work: out of range is a 400 naming the field, never a failed
     conversion later. (n, logprobs and max_tokens have their own checks.)"""

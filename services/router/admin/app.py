@@ -33,9 +33,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict
 
 from services.common.metrics import restart_count
-from services.router.admin_keys import add_key_routes
-from services.router.auth import KeyStore
-from services.router.instances import InstancePool
+from services.router.admin.keys import add_key_routes
+from services.router.access.auth import KeyStore
+from services.router.cluster.instances import InstancePool
 from services.router.policies import POLICIES, Policy, make_policy
 
 ROLES = ("prefill", "decode", "encoder")

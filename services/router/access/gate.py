@@ -38,10 +38,10 @@ from services.common import metrics
 from services.common.config import ConfigError
 from services.common.errors import EPDError
 from services.common.metrics import restart_count
-from services.router.auth import ApiKey, FileKeyStore, KeyStore, configured_keys, hash_key
+from services.router.access.auth import ApiKey, FileKeyStore, KeyStore, configured_keys, hash_key
 from services.router.config import RouterConfig
 from services.router.errors import error_body_for
-from services.router.limits import Lease, Limiter, Limits, LocalLimiter, Refusal
+from services.router.access.limits import Lease, Limiter, Limits, LocalLimiter, Refusal
 
 logger = logging.getLogger(__name__)
 
@@ -279,8 +279,8 @@ async def build_gate(config: RouterConfig) -> Gate:
     """The gate the config asks for; keys from --api-keys are added to the store first."""
     if config.redis_url:
         from services.common.redis_link import RedisHealth, async_client
-        from services.router.key_cache import CachedKeyStore
-        from services.router.redis_access import DegradingLimiter, RedisKeyStore, RedisLimiter, redacted
+        from services.router.access.key_cache import CachedKeyStore
+        from services.router.access.redis_access import DegradingLimiter, RedisKeyStore, RedisLimiter, redacted
         client, health = async_client(config.redis_url), RedisHealth("router")
         store = CachedKeyStore(RedisKeyStore(client, where=f"Redis {redacted(config.redis_url)}", health=health),
                                ttl_s=config.key_cache_ttl_s)

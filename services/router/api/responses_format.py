@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
-from services.router.openai_api import OutputText
-from services.router.tools import CallStart, StreamEvent, TextPiece, ToolPlan, ToolStream
-
-if TYPE_CHECKING:
-    from services.router.responses_api import ResponsesRequest
+from services.router.api.output import OutputText
+from services.router.api.responses_models import ResponsesRequest
+from services.router.api.tools import CallStart, StreamEvent, TextPiece, ToolPlan, ToolStream
 
 Event = tuple[str | None, dict]
 

@@ -19,7 +19,7 @@ from fastapi import Depends, FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.common.errors import EPDError
-from services.router.auth import ApiKey, KeyNotFound, KeyStore, check_tenant, hash_key, new_key
+from services.router.access.auth import ApiKey, KeyNotFound, KeyStore, check_tenant, hash_key, new_key
 
 
 class KeyCreate(BaseModel):

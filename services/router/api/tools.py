@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from services.common.errors import invalid
 from services.common.sampling_params import StructuredOutput
-from services.router.body_checks import parse_json_text
+from services.router.api.body_checks import parse_json_text
 
 BEGIN, END = "<tool_call>", "</tool_call>"
 

@@ -19,9 +19,9 @@ from typing import ClassVar, Protocol
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.common import metrics
-from services.router import openai_api as api
-from services.router.backend import Backend, GenerateRequest
-from services.router.errors import ErrorBody, error_of
+from services.router.api.output import OutputText, num_request_tokens
+from services.router.cluster.backend import Backend, GenerateRequest
+from services.router.errors import ErrorBody, error_of, openai_error_body
 
 CLIENT_CLOSED_STATUS = 499
 """nginx's "client closed request", used in metrics for requests the client abandoned."""
@@ -56,11 +56,11 @@ class Format(Protocol):
     n: int
     """Choices per request (OpenAI's ``n``; 1 for the other protocols)."""
 
-    def response(self, outs: list[api.OutputText]) -> dict: ...
-    def start_events(self, outs: list[api.OutputText]) -> list[Event]: ...
-    def text_events(self, out: api.OutputText, text: str) -> list[Event]: ...
-    def choice_end_events(self, out: api.OutputText) -> list[Event]: ...
-    def end_events(self, outs: list[api.OutputText]) -> list[Event]: ...
+    def response(self, outs: list[OutputText]) -> dict: ...
+    def start_events(self, outs: list[OutputText]) -> list[Event]: ...
+    def text_events(self, out: OutputText, text: str) -> list[Event]: ...
+    def choice_end_events(self, out: OutputText) -> list[Event]: ...
+    def end_events(self, outs: list[OutputText]) -> list[Event]: ...
     def error_event(self, body: dict) -> Event: ...
 
 
@@ -71,7 +71,7 @@ class ClientGone(Exception):
 class RequestTimer:
     """One request's metrics, recorded once whichever way it ends."""
 
-    def __init__(self, endpoint: str, error_body: ErrorBody = api.error_body) -> None:
+    def __init__(self, endpoint: str, error_body: ErrorBody = openai_error_body) -> None:
         self.endpoint = endpoint
         self.error_body = error_body
         self.state: dict = {}
@@ -195,7 +195,7 @@ def fork(request: GenerateRequest, n: int) -> list[GenerateRequest]:
 
 class _Choice:
     def __init__(self, backend: Backend, request: GenerateRequest, index: int) -> None:
-        self.out = api.OutputText(backend.tokenizer, request, index)
+        self.out = OutputText(backend.tokenizer, request, index)
         self.chunks = aiter(backend.generate(request))
 
 
@@ -209,14 +209,13 @@ class Generation:
         self.timer = timer
 
     @property
-    def outs(self) -> list[api.OutputText]:
+    def outs(self) -> list[OutputText]:
         return [choice.out for choice in self.choices]
 
     @property
     def num_tokens(self) -> int:
         """What the request costs (its usage: the prompt once, every choice's output)."""
-        usage = api.usage_of(self.outs)
-        return usage["prompt_tokens"] + usage["completion_tokens"]
+        return num_request_tokens(self.outs)
 
     async def _next_text(self, choice: _Choice) -> str:
         """Read one chunk of a choice; the text it made safe to send."""

@@ -13,7 +13,7 @@ Supported (``POST /v1/messages`` and ``POST /v1/messages/count_tokens``):
   ``stop_sequences``, ``stream``, ``metadata`` (accepted, ignored), and the epd extensions
   ``cache_salt`` / ``kv_retention`` (default ``chat``) as the OpenAI bodies have them.
 * ``tools`` (client tools with an ``input_schema``) and ``tool_choice`` (``auto``, ``any``, ``tool``,
-  ``none``): the output is constrained by the tools' schemas (services/router/tools.py) and parsed
+  ``none``): the output is constrained by the tools' schemas (services/router/api/tools.py) and parsed
   into ``tool_use`` blocks; earlier ``tool_use`` / ``tool_result`` blocks go back into the prompt. A
   stream sends a text block while there is text, then a ``tool_use`` block per call whose input
   streams as ``input_json_delta`` pieces (tools.ToolStream).
@@ -39,18 +39,19 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.router import openai_api as api
-from services.router import structured
-from services.router.backend import Backend, GenerateRequest
-from services.router.body_checks import MAX_STOP_STRINGS, check_ranges
-from services.router.openai_api import OutputText, Prompt, invalid
-from services.router.openai_models import (ChatMessage, ContentPart, FunctionCall, ImageURL, MessageToolCall,
+from services.router.api import openai_api as api
+from services.router.api import structured
+from services.router.cluster.backend import Backend, GenerateRequest
+from services.router.api.body_checks import MAX_STOP_STRINGS, check_ranges
+from services.router.api.openai_api import Prompt, invalid
+from services.router.api.output import OutputText
+from services.router.api.openai_models import (ChatMessage, ContentPart, FunctionCall, ImageURL, MessageToolCall,
                                            RequestBody, SamplingFields)
-from services.router.tools import CallStart, StreamEvent, TextPiece, ToolPlan, ToolStream, anthropic_plan
+from services.router.api.tools import CallStart, StreamEvent, TextPiece, ToolPlan, ToolStream, anthropic_plan
+from services.router.errors import anthropic_error_body
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+error_body = anthropic_error_body
+"""The protocol's error format: one of its two entry points (with :func:`build`)."""
 
 
 class _Body(BaseModel):
@@ -112,12 +113,6 @@ class MessagesRequest(CountTokensRequest):
     """vLLM extension: only requests with the same salt share cached KV."""
     kv_retention: Literal["agent", "chat"] | None = None
     """epd extension: how long the KV store keeps this request's blocks. Default: chat."""
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    """Anthropic's error body; it has no place for OpenAI's ``param`` / ``code``."""
-    error_type = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": error_type, "message": message}}
 
 
 def _check_supported(body: CountTokensRequest) -> None:
@@ -193,7 +188,8 @@ def prompt(body: CountTokensRequest, backend: Backend, model_names: list[str]) -
                            anthropic_plan(body.tools, body.tool_choice), backend.max_model_len)
 
 
-def messages_request(body: MessagesRequest, backend: Backend, model_names: list[str]) -> tuple[GenerateRequest, MessagesFormat]:
+def build(body: MessagesRequest, backend: Backend, model_names: list[str]) -> tuple[GenerateRequest, MessagesFormat]:
+    """The protocol's entry point: a Messages body's GenerateRequest and the format that answers it."""
     # The OpenAI sampling fields of the same meaning, so both protocols share one set of checks.
     fields = SamplingFields(model=body.model, stream=body.stream, max_tokens=body.max_tokens,
                             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,

@@ -17,7 +17,7 @@ Supported (``POST /v1/responses``):
 * The response is ``status: completed``, or ``incomplete`` with ``incomplete_details.reason:
   max_output_tokens`` when the output budget (or the context) ran out. ``usage.input_tokens_details
   .cached_tokens`` are the prompt tokens served from the KV cache.
-* A stream is the Responses API's named events (services/router/responses_format.py), each with
+* A stream is the Responses API's named events (services/router/api/responses_format.py), each with
   its ``type`` and ``sequence_number``, no terminator.
 * ``text.format`` ``json_object`` / ``json_schema`` (``{"type": "json_schema", "name", "schema"}``)
   constrains the output as chat's ``response_format`` does.
@@ -35,85 +35,23 @@ OpenAI's body (the path is not under /v1/messages).
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
-
 from services.common.errors import InvalidRequestError
 from services.common.sampling_params import SamplingParams
-from services.router import openai_api as api
-from services.router import structured
-from services.router.backend import Backend, GenerateRequest
-from services.router.body_checks import check_ranges
-from services.router.openai_api import invalid
-from services.router.openai_models import (ChatMessage, ContentPart, FunctionCall, ImageURL, MessageToolCall,
-                                           RequestBody, SamplingFields)
-from services.router.responses_format import ResponsesFormat
-from services.router.tools import ToolPlan, responses_plan
+from services.router.api import openai_api as api
+from services.router.api import structured
+from services.router.cluster.backend import Backend, GenerateRequest
+from services.router.api.body_checks import check_ranges
+from services.router.api.openai_api import invalid
+from services.router.api.openai_models import (ChatMessage, ContentPart, FunctionCall, ImageURL, MessageToolCall,
+                                               SamplingFields)
+from services.router.api.responses_models import InputItem, InputPart, ResponsesRequest  # noqa: F401 - the body type
+from services.router.api.responses_format import ResponsesFormat
+from services.router.api.tools import ToolPlan, responses_plan
+from services.router.errors import openai_error_body
 
+error_body = openai_error_body
+"""The protocol's error format: one of its two entry points (with :func:`build`)."""
 _TEXT_PARTS = ("input_text", "output_text")
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class InputPart(_Body):
-    """``{"type": "input_text" | "output_text", "text": ...}`` or ``{"type": "input_image",
-    "image_url": "data:image/png;base64,..."}``; other types are declared only to be rejected in
-    plain words."""
-
-    type: str
-    text: str | None = None
-    image_url: str | None = None
-    """An input_image's ``data:`` URI (the router fetches no URLs)."""
-    file_id: str | None = None
-    """Not supported (nothing is stored)."""
-
-
-class InputItem(_Body):
-    type: str | None = None
-    """``message`` (or omitted), ``function_call`` (an earlier call) or ``function_call_output``
-    (its result); any other item type is a 400."""
-    role: str | None = None
-    content: str | list[InputPart] | None = None
-    call_id: str | None = None
-    name: str | None = None
-    arguments: str | None = None
-    output: str | None = None
-
-
-class ResponsesRequest(RequestBody):
-    model: str | None = None
-    input: str | list[InputItem]
-    instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool = False
-    metadata: dict[str, Any] | None = None
-    """Echoed in the response, otherwise ignored."""
-    store: bool | None = None
-    """Accepted and ignored: the router stores no responses."""
-    tools: list[dict[str, Any]] | None = None
-    """Function tools: ``{"type": "function", "name", "description", "parameters"}``."""
-    tool_choice: Any = None
-    """``"none"``, ``"auto"`` (default with tools), ``"required"`` or ``{"type": "function", "name"}``."""
-    parallel_tool_calls: bool | None = None
-    """Accepted; required / named tool choice gives exactly one call."""
-    previous_response_id: str | None = None
-    """Not supported yet (nothing is stored to continue from)."""
-    text: dict[str, Any] | None = None
-    """``{"format": {"type": "text" | "json_object" | "json_schema", "name", "schema"}}``."""
-    reasoning: dict[str, Any] | None = None
-    """Not supported yet."""
-    n: int | None = None
-    """Only 1."""
-    # vLLM-style and epd extensions, as the chat completions body has them.
-    top_k: int | None = None
-    seed: int | None = None
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
-    kv_retention: Literal["agent", "chat"] | None = None
 
 
 def _check_supported(body: ResponsesRequest) -> None:
@@ -201,7 +139,8 @@ def _sampling_params(fields: SamplingFields, num_prompt_tokens: int, max_model_l
 
 def build(body: ResponsesRequest, backend: Backend,
           model_names: list[str]) -> tuple[GenerateRequest, ResponsesFormat]:
-    """The checked body's GenerateRequest and the format that answers it (runs off the event loop)."""
+    """The protocol's entry point: the checked body's GenerateRequest and the format that answers
+    it (runs off the event loop)."""
     api.check_model(body.model, model_names)
     _check_supported(body)
     # The chat sampling fields of the same meaning, so every protocol shares one set of checks.

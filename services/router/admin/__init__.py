@@ -1,0 +1,1 @@
+"""The admin API, its key routes and the ``epd admin`` command."""

@@ -1,0 +1,1 @@
+"""The public API: each protocol's bodies, checks and formats, and the shared generation core."""
