@@ -35,6 +35,7 @@ from pathlib import Path
 
 import httpx
 
+from kvstore.transfer.engine import TRANSPORT_CHOICES
 from services.common.config import check, config_or_exit
 from services.supervisor import (BackgroundSupervision, Child, ChildFailed, Probe, Supervisor,
                                  remove_shared_memory_of)
@@ -90,6 +91,9 @@ class UpConfig:
     node); empty: ~/.cache/epd/kvstore; "none": memory only."""
     kvstore_disk_gib: float = 8.0
     """Disk tier of each store node."""
+    kv_transport: str = "auto"
+    """How engines and store nodes read each other's KV: auto (shared memory on this machine) or
+    tcp (over TCP, as between machines)."""
     prefill_policy: str = ""
     """The router's prefill balancer (e.g. round_robin); empty: its default, prefill_buckets."""
     decode_policy: str = ""
@@ -109,6 +113,7 @@ class UpConfig:
         check(self.encoders is None or self.encoders >= 0, "encoders", "must be >= 0 (none: auto)")
         check(self.prefills >= 1, "prefills", "needs at least one prefill instance")
         check(self.decodes >= 1, "decodes", "needs at least one decode instance")
+        check(self.kv_transport in TRANSPORT_CHOICES, "kv_transport", f"must be one of {', '.join(TRANSPORT_CHOICES)}")
         check(0 <= self.port <= 65535, "port", "must be in 0..65535")
         check(self.kvstores >= 0, "kvstores", "must be >= 0")
         check(1 <= self.kvstore_replicas <= max(1, self.kvstores), "kvstore_replicas",
@@ -177,7 +182,7 @@ class Cluster:
     def _engine_args(self, kvstores: list[Child]) -> list[str]:
         c = self.config
         args = ["--kv-cache-gib", str(c.kv_cache_gib), "--max-num-batched-tokens",
-                str(c.max_num_batched_tokens), "--device", c.device]
+                str(c.max_num_batched_tokens), "--device", c.device, "--kv-transport", c.kv_transport]
         args += [arg for child in kvstores for arg in ("--kvstore", child.address)]
         if kvstores:
             args += ["--kvstore-replicas", str(c.kvstore_replicas)]
@@ -186,7 +191,7 @@ class Cluster:
     def _kvstore_args(self, node: int) -> list[str]:
         c = self.config
         args = ["--node-id", f"kvstore-{node}", "--host-capacity-mib", str(c.kvstore_capacity_mib),
-                "--disk-capacity-gib", str(c.kvstore_disk_gib)]
+                "--disk-capacity-gib", str(c.kvstore_disk_gib), "--kv-transport", c.kv_transport]
         if disk_dir := c.kvstore_disk_dir(node):
             args += ["--disk-dir", disk_dir]
         return args + (["--redis-url", c.redis] if c.redis else [])

@@ -33,6 +33,12 @@ def local_host_id() -> HostId:
     return HostId(hashlib.sha256(f"{boot_id}|{socket.gethostname()}".encode()).hexdigest()[:16])
 
 
+TRANSPORT_CHOICES = {"auto": ("shm", "tcp"), "tcp": ("tcp",)}
+"""What a service's ``--kv-transport`` enables, in order of preference: ``auto`` reads a peer on
+the same host through shared memory and others over TCP; ``tcp`` always goes over TCP (what
+hosts apart do; the tests force it to run that path on one machine)."""
+
+
 class TransferEngine:
     def __init__(self, host: str = "127.0.0.1", port: int = 0,
                  transports: Sequence[str] = ("shm", "tcp"), *, advertise_host: str = "",

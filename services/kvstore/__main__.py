@@ -15,7 +15,7 @@ import sys
 from prometheus_client import REGISTRY
 
 from kvstore.store import StoreNode
-from kvstore.transfer.engine import TransferEngine
+from kvstore.transfer.engine import TRANSPORT_CHOICES, TransferEngine
 from services.common.config import config_or_exit
 from services.common.server import ServerOptions, serve
 from services.kvstore.config import KVStoreConfig
@@ -46,7 +46,8 @@ async def run(config: KVStoreConfig) -> int:
         def make_index(capacity: int) -> MirroredIndex:
             return MirroredIndex(EmbeddedIndex(capacity), registry.index_of(node_id, capacity))
 
-    transfer = TransferEngine(host=config.host, port=config.transfer_port, advertise_host=config.advertise_host)
+    transfer = TransferEngine(host=config.host, port=config.transfer_port,
+                              transports=TRANSPORT_CHOICES[config.kv_transport], advertise_host=config.advertise_host)
     node = StoreNode(node_id, config.layout(), transfer, make_index, config.retention())
     peers = Peers(node, registry)
     REGISTRY.register(NodeMetrics(node))

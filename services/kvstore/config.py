@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstore.retention import Retention
+from kvstore.transfer.engine import TRANSPORT_CHOICES
 from kvstore.store import NodeLayout
 from services.common.config import check
 from services.common.server import ServerOptions
@@ -23,6 +24,9 @@ class KVStoreConfig(ServerOptions):
     """Host name engines use to reach this node (gRPC and data); empty: the bind host."""
     transfer_port: int = 0
     """TCP port of the data server engines on other hosts read from; 0 picks a free one."""
+    kv_transport: str = "auto"
+    """How this node reads the blocks engines write: auto (shared memory on one host, TCP across
+    hosts) or tcp (always TCP)."""
     block_bytes: int = 0
     """Bytes of one KV block (all engines of one model agree); 0: learnt from the first Put,
     when the host pool is allocated."""
@@ -49,6 +53,7 @@ class KVStoreConfig(ServerOptions):
     def __post_init__(self) -> None:
         ServerOptions.__post_init__(self)
         check(self.block_bytes >= 0, "block_bytes", "must be >= 0 (0: learnt from the first Put)")
+        check(self.kv_transport in TRANSPORT_CHOICES, "kv_transport", f"must be one of {', '.join(TRANSPORT_CHOICES)}")
         check(self.host_capacity_mib > 0, "host_capacity_mib", "must be > 0")
         check(self.disk_capacity_gib > 0, "disk_capacity_gib", "must be > 0")
         for name in ("agent_ttl_s", "chat_ttl_s", "swa_ttl_s", "lease_ttl_s"):

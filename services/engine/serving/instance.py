@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvstore.transfer.engine import TransferEngine
+from kvstore.transfer.engine import TRANSPORT_CHOICES, TransferEngine
 from kvstore.transfer.memory import MemoryRegion
 from services.common.config import check
 from services.common.metrics import restart_count
@@ -46,6 +46,9 @@ class ServingConfig(EngineConfig, ServerOptions):
     """Name in load reports and logs; empty: the role and a random suffix."""
     transfer_port: int = 0
     """TCP port of the KV data server peers on other hosts read from; 0 picks a free one."""
+    kv_transport: str = "auto"
+    """How this instance reads KV from peers and the store: auto (shared memory on one host, TCP
+    across hosts) or tcp (always TCP)."""
     advertise_host: str = ""
     """Host name peers use to reach this instance; empty: the bind host."""
     image_token_id: int = 0
@@ -63,6 +66,7 @@ class ServingConfig(EngineConfig, ServerOptions):
         EngineConfig.__post_init__(self)
         ServerOptions.__post_init__(self)
         check(0 <= self.transfer_port <= 65535, "transfer_port", "must be in 0..65535 (0: a free port)")
+        check(self.kv_transport in TRANSPORT_CHOICES, "kv_transport", f"must be one of {', '.join(TRANSPORT_CHOICES)}")
         check(self.kvstore_replicas >= 1, "kvstore_replicas", "must be >= 1")
         check(self.kvstore_timeout_s > 0, "kvstore_timeout_s", "must be > 0")
 
@@ -83,6 +87,7 @@ class EngineInstance:
         self.llm = LLMEngine(engine_config, loaded, kv_allocator=allocator)
         self.engine = AsyncEngine(self.llm)
         self.transfer = TransferEngine(host=config.host, port=config.transfer_port,
+                                       transports=TRANSPORT_CHOICES[config.kv_transport],
                                        advertise_host=config.advertise_host)
         if self.region is not None:
             self.transfer.register(self.region)

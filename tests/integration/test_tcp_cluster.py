@@ -1,0 +1,70 @@
+"""The cluster with every KV move over TCP (``--kv-transport tcp``), as between machines: the
+prefill -> decode hand-over and the KV store's reads and writes all go through the transfer
+engine's TCP transport (no shared-memory transport is loaded anywhere). Answers equal the offline
+engine's, prefix hits come from the store, and nothing stays held."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from kvstore.transfer.memory import SHM_PREFIX
+
+from services.engine import LLM, SamplingParams
+from tests.cluster import running_cluster
+from tests.factories import random_prompts
+from tests.integration.test_cluster import completions
+from tests.integration.test_kvstore_cluster import BLOCK, complete, wait_stored
+
+LENGTHS = [5, 300, 64, 700, 17, 150]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_chat_model_dir):
+    with running_cluster(str(tiny_chat_model_dir), encoders=0, prefills=2, decodes=1, kvstores=1,
+                         kv_cache_gib=0.05, max_num_batched_tokens=64, device="cpu",
+                         prefill_policy="round_robin", kv_transport="tcp") as running:
+        yield running
+
+
+def test_the_hand_over_over_tcp_equals_the_offline_engine(cluster, tiny_chat_model_dir):
+    prompts = random_prompts(len(LENGTHS), LENGTHS, vocab=49152, seed=41)
+    expected = [o.token_ids for o in LLM(str(tiny_chat_model_dir), num_kv_blocks=1024).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
+    transferred = cluster.metric("decode", "epd_kv_transfers_total", result="done")
+    got = asyncio.run(completions(cluster.url, prompts, temperature=0, max_tokens=12, ignore_eos=True))
+    assert got == expected
+    # Every prompt that decode did not finish at once came over: none was recomputed.
+    assert cluster.metric("decode", "epd_kv_transfers_total", result="done") - transferred == len(prompts)
+    assert cluster.metric("decode", "epd_kv_transfers_total", result="failed") == 0
+    assert mapped_pools_of_others(cluster) == {}
+    assert cluster.leftovers() == []
+
+
+def test_store_writes_and_hits_over_tcp(cluster):
+    prompt = random_prompts(1, [640], vocab=49152, seed=42)[0]
+    held = sum(s.num_blocks for s in cluster.store_stats())
+    first, cached = complete(cluster, prompt)
+    assert cached == 0
+    wait_stored(cluster, held + len(prompt) // BLOCK)   # the store node read the blocks over TCP
+    hits = cluster.metric("prefill", "epd_kv_store_hit_blocks_total")
+    again, cached = complete(cluster, prompt)          # the other prefill: its hits come from the store
+    assert again == first and cached >= len(prompt) - 1 - BLOCK
+    assert cluster.metric("prefill", "epd_kv_store_hit_blocks_total") >= hits + cached // BLOCK
+    assert mapped_pools_of_others(cluster) == {}
+    assert cluster.leftovers() == []
+
+
+def mapped_pools_of_others(cluster) -> dict[str, list[str]]:
+    """Per process, the KV pools of other processes it has mapped: the shared-memory transport
+    maps the owner's /dev/shm file to read it; over TCP nobody maps anyone else's."""
+    found = {}
+    for child in cluster.cluster.children:
+        own = f"{SHM_PREFIX}{child.process.pid}-"
+        maps = Path(f"/proc/{child.process.pid}/maps").read_text().splitlines()
+        others = sorted({line.split()[-1] for line in maps if SHM_PREFIX in line and own not in line})
+        if others:
+            found[child.name] = others
+    return found
