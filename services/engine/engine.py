@@ -265,8 +265,9 @@ class LLMEngine:
         released, requests holding blocks for KV that is still arriving."""
         return self._num_handoff_blocks > 0 or any(seq.block_table for seq in self._held.values())
 
-    def prompt_logits(self, token_ids: list[int]) -> "torch.Tensor":
-        """Logits [len, vocab] at every position of one prompt, computed alone (fp32).
+    def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None) -> "torch.Tensor":
+        """Logits [len, vocab] at every position of one prompt, computed alone (fp32), in one step
+        or in chunks of ``chunk_size`` tokens (the continued chunks' path).
 
         Uses fresh blocks and gives them back; for oracle tests and prompt logprobs.
         """
@@ -275,7 +276,7 @@ class LLMEngine:
         if self.block_manager.allocate_slots(seq, len(token_ids)) is None:
             raise InvalidRequestError("no free KV blocks to score this prompt now")
         try:
-            return self.runner.score(token_ids, seq.block_table)
+            return self.runner.score(token_ids, seq.block_table, chunk_size)
         finally:
             self.block_manager.free(seq)
 

@@ -180,10 +180,16 @@ class ModelRunner:
         return SamplingRow(params, chunk.prompt_token_ids, chunk.output_token_ids, generator, suppressed)
 
     @torch.inference_mode()
-    def score(self, token_ids: list[int], block_table: list[BlockId]) -> torch.Tensor:
-        """Logits at every position of one sequence (oracle tests, prompt logprobs)."""
-        hidden, _ = self._forward([(0, list(token_ids), block_table)])
-        return self.model.compute_logits(hidden).float()
+    def score(self, token_ids: list[int], block_table: list[BlockId], chunk_size: int | None = None) -> torch.Tensor:
+        """Logits at every position of one sequence (oracle tests, prompt logprobs); with
+        ``chunk_size``, computed in chunks of that many tokens as chunked prefill computes them
+        (each chunk after the first attends to the KV the earlier ones left in the pool)."""
+        chunk_size = chunk_size or len(token_ids)
+        logits = []
+        for start in range(0, len(token_ids), chunk_size):
+            hidden, _ = self._forward([(start, list(token_ids[start:start + chunk_size]), block_table)])
+            logits.append(self.model.compute_logits(hidden).float())
+        return torch.cat(logits)
 
     # ----- the disaggregation seam -------------------------------------------------------
     def block_view(self, block_id: BlockId) -> torch.Tensor:
