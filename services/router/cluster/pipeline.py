@@ -34,13 +34,13 @@ from services.common.errors import EPDError, InvalidRequestError, UnavailableErr
 from services.common.grpc_errors import error_from_rpc, is_raised_by_server
 from services.common.retry import is_retryable, retry
 from services.common.tokenizer import Tokenizer
-from services.common.wire import (ImageInput, ModelInfo, RequestSpec, logprobs_from_proto,
-                                  model_info_from_proto, spec_to_proto, stop_reason_from_proto,
-                                  tensor_from_proto)
-from services.pb import common_pb2, decode_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc
+from services.common.wire import (DecodeRequest, ImageInput, ModelInfo, PrefillResponse, RequestSpec, TokenChunk,
+                                  decode_request_to_proto, model_info_from_proto, prefill_response_from_proto,
+                                  spec_to_proto, tensor_from_proto, token_chunk_from_proto)
+from services.pb import common_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc
 from services.pb import prefill_pb2, prefill_pb2_grpc
 from services.router.cluster.backend import GenerateChunk, GenerateRequest
-from services.router.cluster.instances import InstancePool
+from services.router.cluster.instances import Instance, InstancePool
 from services.router.policies import Policy, RequestView, make_policy
 
 logger = logging.getLogger(__name__)
@@ -141,39 +141,34 @@ class ClusterBackend:
                            self._block_hashes(spec) if self.prefills.policy.needs_block_hashes
                            else ())
         prefill, first = await self._prefill(spec, view)
-        finish = first.finish_reason or None
-        first_logprobs = ((logprobs_from_proto(first.first_token_logprobs),)
-                          if first.HasField("first_token_logprobs") else ())
-        decoding = None if finish is not None else self._decode(spec, view, prefill, first)
+        first_logprobs = (first.first_token_logprobs,) if first.first_token_logprobs is not None else ()
+        decoding = None if first.finish_reason is not None else self._decode(spec, view, prefill, first)
         try:
-            yield GenerateChunk((first.first_token_id,), finish, stop_reason_from_proto(first.stop_reason),
+            yield GenerateChunk((first.first_token_id,), first.finish_reason, first.stop_reason,
                                 num_prompt, first.num_cached_tokens, first_logprobs)
             if decoding is None:
                 return
             async for chunk in decoding:
-                yield GenerateChunk(tuple(chunk.token_ids), chunk.finish_reason or None,
-                                    stop_reason_from_proto(chunk.stop_reason), num_prompt,
-                                    chunk.num_cached_tokens, tuple(map(logprobs_from_proto, chunk.logprobs)))
+                yield GenerateChunk(chunk.token_ids, chunk.finish_reason, chunk.stop_reason, num_prompt,
+                                    chunk.num_cached_tokens, chunk.logprobs)
         finally:
             if decoding is not None:
                 await decoding.aclose()  # releases a KV handle no decode instance took
 
     async def _decode(self, spec: RequestSpec, view: RequestView, prefill,
-                      first: prefill_pb2.PrefillResponse) -> AsyncGenerator[decode_pb2.TokenChunk, None]:
+                      first: PrefillResponse) -> AsyncGenerator[TokenChunk, None]:
         """The tokens after the first, from decode instances: when one's stream breaks or goes
         silent, the request moves to another with every token so far (up to ``max_migrations``
         times), so the chunks read as one stream."""
-        kv = first.kv if first.HasField("kv") else None
+        kv = first.kv
         output = [first.first_token_id]
         failed: list[str] = []
         reason = ""
         try:
             while True:
                 instance = await self._pick_decode(view, failed, reason)
-                message = decode_pb2.DecodeRequest(
-                    spec=spec_to_proto(spec), output_token_ids=output, kv=kv,
-                    num_cached_tokens=first.num_cached_tokens, prefill_address=prefill.address,
-                    num_migrations=len(failed))
+                message = DecodeRequest(spec, tuple(output), kv, first.num_cached_tokens, prefill.address,
+                                        num_migrations=len(failed))
                 try:
                     async with contextlib.aclosing(self._read_decode(instance, message)) as chunks:
                         async for chunk in chunks:
@@ -220,11 +215,11 @@ class ClusterBackend:
                     raise
             await asyncio.sleep(_WAIT_FOR_DECODE_S)
 
-    async def _read_decode(self, instance, message: decode_pb2.DecodeRequest) -> AsyncIterator[decode_pb2.TokenChunk]:
+    async def _read_decode(self, instance, request: DecodeRequest) -> AsyncIterator[TokenChunk]:
         """One decode instance's token chunks (heartbeats dropped). A broken stream is an
         UnavailableError; so is silence past the idle deadline (:class:`StreamSilent`); any
         other failure is the request's own and passes as its EPDError."""
-        call = instance.stub.Generate(message)
+        call = instance.stub.Generate(decode_request_to_proto(request))
         try:
             while True:
                 try:
@@ -236,12 +231,12 @@ class ClusterBackend:
                 if chunk is grpc.aio.EOF:
                     return
                 if chunk.token_ids or chunk.finish_reason:
-                    yield chunk
+                    yield token_chunk_from_proto(chunk)
         finally:
             call.cancel()
 
-    async def _prefill(self, spec: RequestSpec, view: RequestView):
-        """(instance, PrefillResponse); another instance is tried when one is unavailable. The
+    async def _prefill(self, spec: RequestSpec, view: RequestView) -> tuple[Instance, PrefillResponse]:
+        """(instance, its reply); another instance is tried when one is unavailable. The
         request may first wait in the router's queue (a queueing prefill policy)."""
         message = prefill_pb2.PrefillRequest(spec=spec_to_proto(spec))
         arrivals = iter((True,))
@@ -259,7 +254,7 @@ class ClusterBackend:
             finally:
                 self.prefills.release(placement)
             self.prefills.succeeded(instance)
-            return instance, reply
+            return instance, prefill_response_from_proto(reply)
 
         return await retry(attempt, retry_on=is_retryable, attempts=max(2, len(self.prefills)))
 
