@@ -66,6 +66,7 @@ class DecodeWorker:
         self.is_draining = False
         self.num_transfers_in_flight = 0
         self.num_recomputed = 0
+        self._releases: set[asyncio.Task] = set()
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[TokenChunk]:
         if self.is_draining:
@@ -112,7 +113,9 @@ class DecodeWorker:
             is_pulled = await self._transfer(req.kv, reservation)
         finally:
             # Whatever happened, the prefill's blocks are no longer needed.
-            asyncio.get_running_loop().create_task(self._release(req.prefill_address, req.kv.lease_id))
+            task = asyncio.get_running_loop().create_task(self._release(req.prefill_address, req.kv.lease_id))
+            self._releases.add(task)  # held: the loop keeps only weak references to tasks
+            task.add_done_callback(self._releases.discard)
         TRANSFERS.labels("done" if is_pulled else "failed").inc()
         if is_pulled:
             await seam.commit(reservation, num_cached_tokens=req.num_cached_tokens)
