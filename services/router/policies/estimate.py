@@ -44,6 +44,14 @@ class LoadEstimate:
     """Its report stream failed, or an RPC found it unavailable, since its last report."""
     is_drained: bool = False
     """Drained through the admin API: no new requests."""
+    is_ready: bool = True
+    """What its orchestrator says (Kubernetes readiness in the endpoint slice): not ready, no
+    new requests. Kept apart from ``is_drained`` so that an undrain does not override it."""
+    is_leaving: bool = False
+    """It left the membership: no new requests; it is removed once its requests are done."""
+    needs_report: bool = False
+    """It joined while the router ran: no requests before its first load report (a router
+    starting with its instances sends to them at once instead)."""
     num_sent: int = 0
     """Requests sent since its last report."""
     sent_s: float = 0.0
@@ -66,7 +74,13 @@ class LoadEstimate:
     def is_healthy(self, now: float, health_timeout_s: float) -> bool:
         if self.is_broken or now < self.ejected_until:
             return False
-        return self.load is None or self.is_reporting(now, health_timeout_s)
+        if self.load is None:
+            return not self.needs_report
+        return self.is_reporting(now, health_timeout_s)
+
+    def is_held(self) -> bool:
+        """No new requests whatever its load: drained, not ready, or leaving."""
+        return self.is_drained or not self.is_ready or self.is_leaving
 
     def is_reporting(self, now: float, health_timeout_s: float) -> bool:
         """Its latest report is fresh (False before the first one)."""
@@ -110,7 +124,7 @@ class LoadEstimate:
             return InstanceView(
                 instance_id=self.instance_id, role=role, machine=self.address.rsplit(":", 1)[0],
                 num_waiting=self.num_sent, queued_compute_s=max(0.0, -self.done_s) + self.sent_s,
-                is_healthy=self.is_healthy(now, health_timeout_s), is_draining=self.is_drained)
+                is_healthy=self.is_healthy(now, health_timeout_s), is_draining=self.is_held())
         return InstanceView(
             instance_id=self.instance_id, role=role, machine=self.address.rsplit(":", 1)[0],
             num_running=load.num_running, num_waiting=load.num_waiting + self.num_sent,
@@ -119,4 +133,4 @@ class LoadEstimate:
             num_kv_tokens=load.num_kv_tokens_in_use,
             kv_capacity_tokens=load.num_total_blocks * block_size, num_patches_in_flight=load.num_patches_in_flight,
             is_healthy=self.is_healthy(now, health_timeout_s),
-            is_draining=self.is_drained or load.is_draining)
+            is_draining=self.is_held() or load.is_draining)

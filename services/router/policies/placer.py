@@ -83,7 +83,8 @@ class Placer(Generic[T, E]):
         self._views_at: float | None = None
         self._changed: set[int] = set()
         """Instances changed through the placer since ``_views`` were taken (at ``_views_at``)."""
-        self._index = {id(instance): i for i, instance in enumerate(self.instances)}
+        self._index: dict[int, int] = {}
+        self._reindex()
 
     @property
     def block_size(self) -> int:
@@ -113,8 +114,10 @@ class Placer(Generic[T, E]):
         return instance.view(self.role, now, self.health_timeout_s, self.cost, self._block_size)
 
     def changed(self, instance: E) -> None:
-        """``instance``'s estimate changed (its next view is taken afresh)."""
-        self._changed.add(self._index[id(instance)])
+        """``instance``'s estimate changed (its next view is taken afresh). One removed from the
+        pool (a request that outlived its leaving) is no one's business any more."""
+        if (i := self._index.get(id(instance))) is not None:
+            self._changed.add(i)
 
     def on_report(self, instance: E, report: LoadReport) -> None:
         """A load report from ``instance``, now. The caller dispatches next."""
@@ -236,6 +239,34 @@ class Placer(Generic[T, E]):
         """Drained (admin API): no new work. The caller dispatches next."""
         instance.is_drained = is_drained
         self.changed(instance)
+
+    def set_ready(self, instance: E, is_ready: bool) -> None:
+        """Its orchestrator's readiness: not ready, no new work. The caller dispatches next."""
+        instance.is_ready = is_ready
+        self.changed(instance)
+
+    # ----- membership ---------------------------------------------------------------------------
+    def add(self, instance: E) -> None:
+        """A new instance (its address not in the pool yet). The caller dispatches next."""
+        assert all(i.address != instance.address for i in self.instances), f"{instance.address} is in the pool"
+        self.instances.append(instance)
+        self._reindex()
+
+    def retire(self, instance: E) -> None:
+        """``instance`` leaves: no new work from now on; :meth:`remove` it once its requests are
+        done. The caller dispatches next."""
+        instance.is_leaving = True
+        self.changed(instance)
+
+    def remove(self, instance: E) -> None:
+        """Out of the pool (its requests are done, or their time is up). The caller dispatches next."""
+        self.instances.remove(instance)
+        self._reindex()
+
+    def _reindex(self) -> None:
+        self._index = {id(instance): i for i, instance in enumerate(self.instances)}
+        self._views_at = None
+        self._changed.clear()
 
     def num_serving(self) -> int:
         """Instances known to take requests now: a fresh load report, not ejected, not drained

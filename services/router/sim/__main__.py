@@ -2,6 +2,7 @@
 
     python -m services.router.sim --trace TRACE.jsonl --prefill 64 --decode 64 [--policy spec]
         [--load 1.0] [--compare [NAMES]] [--plot util.png] [--json]
+    python -m services.router.sim --autoscale [--planner-config FILE] [--startup-s 60] ...
 
 A discrete-event simulation: prefill and decode instances with the reference cost models
 (``services/common/cost_model.py``), prefix hits from the trace's hash ids through the KV store's
@@ -22,6 +23,15 @@ Prints TTFT and TPOT p50/p99, throughput, SLO goodput, per-instance utilization,
 (slowest / mean) and the ratio; ``--compare`` runs more policies on the same scaled trace and
 prints a table; ``--plot`` draws per-instance utilization per policy; ``--json`` ends the output
 with one JSON object for ``--policy`` (with a ``compare`` key holding the other policies').
+
+``--autoscale`` runs the planner's own core (``services/router/planner``) against the simulated
+cluster: from the fleet of ``--prefill`` / ``--decode`` (default: the planner's minimum), every
+planner interval it reads the signals off the placers, decides, and starts instances (serving
+after ``--startup-s``) or retires them (they drain, then leave). Without ``--load`` the trace
+runs on its own clock; with it, the planner's clocks and the start-up are scaled like the
+report interval. Besides the figures above it prints instance-seconds per role (GPU-seconds:
+one simulated instance is one reference card) and, in ``--json``, the replicas over time. The
+planner's TTFT / TPOT targets are the ``--slo-*`` ones unless ``--planner-config`` sets them.
 """
 
 from __future__ import annotations
@@ -33,10 +43,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.router.planner.config import PlannerConfig
 from services.router.sim.cluster import SPEC, SimConfig, policy_names
 from services.router.sim.experiment import evaluate, prepare
 from services.router.sim.plot import plot_utilization
 from services.router.sim.report import Slo, describe, table
+from services.router.sim.scaling import check_sim_limits
 from services.router.sim.trace import load_trace
 from services.router.sim.work import Costs
 
@@ -52,10 +64,12 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.router.sim", description=__doc__.splitlines()[0])
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
     p.add_argument("--limit", type=int, default=0, help="only the trace's first N requests (0: all)")
-    p.add_argument("--prefill", type=int, default=64, help="prefill instances")
-    p.add_argument("--decode", type=int, default=64, help="decode instances")
+    p.add_argument("--prefill", type=int, default=None,
+                   help="prefill instances (default 64; autoscaled: the planner's minimum to start from)")
+    p.add_argument("--decode", type=int, default=None, help="decode instances (as --prefill)")
     p.add_argument("--policy", default=SPEC, help=f"{SPEC} (the SPEC balancers) or one policy for both stages")
-    p.add_argument("--load", type=float, default=1.0, help="offered work / balanced capacity (1.0: saturated)")
+    p.add_argument("--load", type=float, default=None,
+                   help="offered work / balanced capacity (default 1.0: saturated; autoscaled: the trace's clock)")
     p.add_argument("--compare", nargs="?", const=",".join(COMPARE_DEFAULT), default="",
                    help=f"comma-separated policies to run too (alone: {','.join(COMPARE_DEFAULT)})")
     p.add_argument("--plot", type=Path, default=None, help="PNG of per-instance utilization per policy")
@@ -78,7 +92,37 @@ def parser() -> argparse.ArgumentParser:
                    help="prefill buckets: queued compute under which an instance takes a waiting request")
     p.add_argument("--bucket-bounds", type=int_list, default=None, help="3 prompt-length bounds, e.g. 16384,65536,262144")
     p.add_argument("--bucket-caps", type=int_list, default=None, help="4 per-bucket instance caps (0: none)")
+    p.add_argument("--decode-kv-capacity-tokens", type=int, default=SimConfig.decode_kv_capacity_tokens,
+                   help="KV tokens a decode instance holds (0: no limit)")
+    p.add_argument("--autoscale", action="store_true", help="scale the fleet with the planner")
+    p.add_argument("--planner-config", type=Path, default=None, help="planner config JSON (PlannerConfig)")
+    p.add_argument("--startup-s", type=float, default=SimConfig.startup_s,
+                   help="seconds an instance started by the planner loads before it serves")
     return p
+
+
+def planner_config(args: argparse.Namespace) -> PlannerConfig | None:
+    """The planner's config with --autoscale (the --slo-* targets unless the file sets them)."""
+    if not args.autoscale:
+        return None
+    settings = json.loads(args.planner_config.read_text()) if args.planner_config else {}
+    if not isinstance(settings, dict):
+        raise ValueError(f"{args.planner_config}: a planner config must be a JSON object")
+    config = PlannerConfig.from_dict({"ttft_s": args.slo_ttft_s, "tpot_s": args.slo_tpot_s, **settings})
+    check_sim_limits(config)
+    return config
+
+
+def fleet(args: argparse.Namespace, planner: PlannerConfig | None) -> tuple[int, int]:
+    """The fleet to run (autoscaled: to start from)."""
+    def start(role: str, given: int | None) -> int:
+        if given is not None:
+            return given
+        if planner is None:
+            return 64
+        limits = planner.roles.get(role)
+        return max(1, limits.min_replicas) if limits is not None else 1
+    return start("prefill", args.prefill), start("decode", args.decode)
 
 
 def bucket_settings(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -97,19 +141,23 @@ def main(argv: list[str] | None = None) -> int:
             policy_names(name)
         costs = Costs(step_budget_s=args.step_budget_s, chunk_tokens=args.chunk_tokens,
                       decode_max_batch=args.decode_max_batch)
-        config = SimConfig(args.prefill, args.decode, costs, args.kv_capacity_blocks, hits_at=args.hits_at,
+        planner = planner_config(args)
+        num_prefill, num_decode = fleet(args, planner)
+        config = SimConfig(num_prefill, num_decode, costs, args.kv_capacity_blocks, hits_at=args.hits_at,
                            report_interval_s=SimConfig.report_interval_s if args.report_interval_s is None
-                           else args.report_interval_s)
+                           else args.report_interval_s, decode_kv_capacity_tokens=args.decode_kv_capacity_tokens,
+                           startup_s=args.startup_s)
         requests = load_trace(args.trace, args.limit)
         started = time.perf_counter()
-        experiment = prepare(requests, config, args.load)
+        experiment = prepare(requests, config, 1.0 if args.load is None and not args.autoscale else args.load)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     slo = Slo(args.slo_ttft_s, args.slo_tpot_s)
     reports = []
     for name in policies:
-        reports.append(evaluate(experiment, name, args.seed, slo, bucket_settings(args), args.report_interval_s))
+        reports.append(evaluate(experiment, name, args.seed, slo, bucket_settings(args), args.report_interval_s,
+                                planner))
         print(describe(reports[-1]), end="\n\n", flush=True)
     if len(reports) > 1:
         print(table(reports), end="\n\n")
@@ -117,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"utilization plot: {plot_utilization(reports, args.plot)}")
     round_s = experiment.round_s if args.round_s is None else args.round_s
     interval_s = experiment.report_interval_s if args.report_interval_s is None else args.report_interval_s
-    print(f"{len(requests)} requests, {args.prefill} prefill + {args.decode} decode, prefill bucket "
+    print(f"{len(requests)} requests, {num_prefill} prefill + {num_decode} decode"
+          f"{' to start, autoscaled' if planner is not None else ''}, prefill bucket "
           f"rounds of {round_s:.3g} s, load reports every {interval_s:.3g} s, {len(reports)} run(s) in "
           f"{time.perf_counter() - started:.1f} s")
     if args.json:

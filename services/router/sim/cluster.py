@@ -23,7 +23,14 @@ store: any prefill instance hits any prefix) on the simulation clock; the router
 arrival fills ``RequestView.num_cached_tokens``.
 
 Events at the same instant run decode finishes first, then prefill ends, then load reports,
-then arrivals, then wake-ups, so a report never shows work that is already over.
+then arrivals, then wake-ups, then the planner's tick, so a report never shows work that is
+already over.
+
+**Membership** (the autoscaled cluster, ``scaling.py``): an instance added while the run goes
+joins its placer at once but gets no work before its first load report, which comes
+``SimConfig.startup_s`` after it was started (model load); a retired one takes no new work,
+finishes what it holds and is removed when idle (at once if it was still starting). Each
+instance's lifetime (``instances.Lifetime``) is what its instance-seconds are counted over.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.index import DEFAULT_CAPACITY_BLOCKS, EmbeddedIndex
 from services.common.cost_model import PrefillCost
@@ -45,11 +52,14 @@ from services.router.sim.instances import Queued, SimDecode, SimPrefill
 from services.router.sim.trace import TraceRequest
 from services.router.sim.work import CHAT_TTL_S, Costs
 
+if TYPE_CHECKING:   # annotations only: scaling.py imports this module
+    from services.router.sim.scaling import Scaler
+
 SPEC = "spec"
 """The SPEC balancers: prefill_buckets for prefill, decode_balance for decode."""
 SPEC_POLICIES = {"prefill": "prefill_buckets", "decode": "decode_balance"}
 
-_DECODE_FINISH, _PREFILL_DONE, _REPORT, _ARRIVAL, _WAKE = range(5)
+_DECODE_FINISH, _PREFILL_DONE, _REPORT, _ARRIVAL, _WAKE, _TICK = range(6)
 
 
 class SimClock:
@@ -79,6 +89,9 @@ class SimConfig:
     report_interval_s: float = REPORT_INTERVAL_S
     """How often each simulated instance reports its load to the router (the live interval;
     ``experiment.py`` scales it with the trace's time factor, as it does the bucket round)."""
+    startup_s: float = 60.0
+    """How long an instance started during the run loads before it reports and serves (model
+    load on the reference card; only the autoscaled cluster starts instances)."""
 
     def __post_init__(self) -> None:
         if self.hits_at not in ("start", "arrival"):
@@ -88,6 +101,8 @@ class SimConfig:
                              f"(got {self.num_prefill} and {self.num_decode})")
         if not self.report_interval_s > 0:
             raise ValueError(f"report_interval_s must be > 0 (got {self.report_interval_s!r})")
+        if not self.startup_s >= 0:
+            raise ValueError(f"startup_s must be >= 0 (got {self.startup_s!r})")
 
 
 @dataclass
@@ -123,7 +138,10 @@ class SimResult:
     records: list[RequestRecord]
     prefills: list[SimPrefill]
     decodes: list[SimDecode]
+    """Every instance that ran, removed ones included (see their ``life``)."""
     prefill_policy: Policy
+    replicas: tuple[tuple[float, dict[str, int]], ...] = ()
+    """Autoscaled: (time, instances per role counted then) at every planner tick."""
 
 
 def policy_names(policy: str) -> dict[str, str]:
@@ -169,6 +187,7 @@ class Cluster:
             health_timeout_s=math.inf, cost=config.costs.prefill)
         self._prefill_by_id = {p.instance_id: p for p in self.prefills}
         self._decode_by_id = {d.instance_id: d for d in self.decodes}
+        self._estimates = {e.address: e for e in self.prefill_router.instances + self.decode_router.instances}
         self._records: dict[str, RequestRecord] = {}
         self._num_unfinished = 0
         self._wake_at: float | None = None
@@ -180,15 +199,22 @@ class Cluster:
     def prefill_policy(self) -> Policy:
         return self.prefill_router.policy
 
-    def run(self, requests: Sequence[TraceRequest]) -> SimResult:
+    def run(self, requests: Sequence[TraceRequest], scaler: Scaler | None = None) -> SimResult:
+        """Every request to its last token; with ``scaler``, its ``tick`` every ``interval_s``."""
         for request in requests:
             record = RequestRecord(request, request.block_hashes())
             self._records[request.request_id] = record
             self._push(request.arrival_s, _ARRIVAL, record)
         self._num_unfinished = len(requests)
         if requests:
+            for instance in self.prefills + self.decodes:
+                instance.life.started_at = requests[0].arrival_s
             self._start_reports(requests[0].arrival_s)
-        handlers = {_ARRIVAL: self._route_prefill, _PREFILL_DONE: self._prefill_done, _REPORT: self._report}
+            if scaler is not None:
+                scaler.record(self)
+                self._push(requests[0].arrival_s + scaler.interval_s, _TICK, scaler)
+        handlers = {_ARRIVAL: self._route_prefill, _PREFILL_DONE: self._prefill_done, _REPORT: self._report,
+                    _TICK: self._tick}
         while self._events:
             at, kind, _, target, version = heapq.heappop(self._events)
             self.clock.now = at
@@ -200,7 +226,8 @@ class Cluster:
                     self._apply(self.prefill_router.dispatch())
             elif version == target.version:
                 self._decode_finish(target)
-        return SimResult(list(self._records.values()), self.prefills, self.decodes, self.prefill_policy)
+        replicas = tuple(scaler.replicas) if scaler is not None else ()
+        return SimResult(list(self._records.values()), self.prefills, self.decodes, self.prefill_policy, replicas)
 
     def _push(self, at: float, kind: int, target: Any, version: int = 0) -> None:
         self._seq += 1
@@ -217,9 +244,9 @@ class Cluster:
                 self._push(start, _REPORT, (router, instance, estimate))
 
     def _report(self, target: tuple[Placer, SimPrefill | SimDecode, LoadEstimate]) -> None:
-        if not self._num_unfinished:
-            return      # all done: the streams stop with the simulation
         router, instance, estimate = target
+        if not self._num_unfinished or instance.life.removed_at is not None:
+            return      # all done (the streams stop with the simulation), or the instance is gone
         now = self.clock.now
         router.on_report(estimate, instance.report(now))
         if router is self.prefill_router:
@@ -280,6 +307,7 @@ class Cluster:
         self._start_prefill(instance)
         assert record.placement is not None
         self.prefill_router.release(record.placement)   # the Prefill call returned
+        self._settle(instance)
         self._apply(self.prefill_router.dispatch())
 
     # ----- decode -----------------------------------------------------------------------------
@@ -300,6 +328,7 @@ class Cluster:
         for item in instance.on_finish_event():
             self._finished(self._records[item.request.request_id], self.clock.now)
         self._schedule_decode(instance)
+        self._settle(instance)
 
     def _schedule_decode(self, instance: SimDecode) -> None:
         at = instance.next_finish_at()
@@ -310,18 +339,69 @@ class Cluster:
         record.finish_s = at
         self._num_unfinished -= 1
 
+    # ----- membership (the autoscaled cluster) ------------------------------------------------------
+    def _tick(self, scaler: Scaler) -> None:
+        if self._num_unfinished:
+            scaler.tick(self)
+            self._push(self.clock.now + scaler.interval_s, _TICK, scaler)
+
+    def members(self, role: str) -> list[SimPrefill | SimDecode]:
+        """The role's instances counted now: started, not retiring."""
+        instances = self.prefills if role == "prefill" else self.decodes
+        return [i for i in instances if not i.life.is_retiring]
+
+    def add_instance(self, role: str) -> None:
+        """Start one more ``role`` instance: it reports, and so serves, after ``startup_s``."""
+        now = self.clock.now
+        if role == "prefill":
+            instance: SimPrefill | SimDecode = SimPrefill(f"prefill-{len(self.prefills)}")
+            self.prefills.append(instance)
+            self._prefill_by_id[instance.instance_id] = instance
+        else:
+            instance = SimDecode(f"decode-{len(self.decodes)}", self.costs.decode, self.costs.decode_max_batch,
+                                 self.config.decode_kv_capacity_tokens)
+            self.decodes.append(instance)
+            self._decode_by_id[instance.instance_id] = instance
+        instance.life.started_at = now
+        estimate = self._estimates[instance.instance_id] = LoadEstimate(instance.instance_id, needs_report=True)
+        router = self._router_of(instance)
+        router.add(estimate)
+        self._push(now + self.config.startup_s, _REPORT, (router, instance, estimate))
+
+    def retire_instance(self, role: str) -> None:
+        """Retire one ``role`` instance: one still starting (the newest), else the one holding
+        the least work (ties: the newest). It drains, then leaves."""
+        estimates = self._estimates
+        instance = min(reversed(self.members(role)), key=lambda i: (
+            estimates[i.instance_id].load is not None, i.num_requests, -i.life.started_at))
+        instance.life.is_retiring = True
+        self._router_of(instance).retire(self._estimates[instance.instance_id])
+        self._settle(instance)
+        if role == "prefill":
+            self._apply(self.prefill_router.dispatch())
+
+    def _settle(self, instance: SimPrefill | SimDecode) -> None:
+        """A retiring instance with nothing left to do leaves its pool (the caller dispatches)."""
+        if instance.life.is_retiring and instance.life.removed_at is None and instance.is_idle:
+            self._router_of(instance).remove(self._estimates[instance.instance_id])
+            instance.life.removed_at = self.clock.now
+
+    def _router_of(self, instance: SimPrefill | SimDecode) -> Placer:
+        return self.prefill_router if isinstance(instance, SimPrefill) else self.decode_router
+
 
 def simulate(requests: Sequence[TraceRequest], config: SimConfig, policy: str = SPEC, seed: int = 0,
-             configure: dict[str, Any] | None = None) -> SimResult:
+             configure: dict[str, Any] | None = None, scaler: Scaler | None = None) -> SimResult:
     """One run of ``requests`` (arrival order) through a fresh cluster under ``policy``.
     ``configure``: settings for a policy's ``configure`` (the prefill buckets' bounds, caps,
-    round period), as the live router passes them."""
+    round period), as the live router passes them. ``scaler``: a planner scaling the cluster
+    (``scaling.py``; the config's counts are the fleet it starts with)."""
     clock = SimClock()
     clock.now = requests[0].arrival_s if requests else 0.0
     names = policy_names(policy)
     cluster = Cluster(config, build_policy(names["prefill"], seed, clock, config.costs.prefill, configure),
                       build_policy(names["decode"], seed + 1, clock, config.costs.prefill, configure), clock)
-    result = cluster.run(requests)
+    result = cluster.run(requests, scaler)
     unfinished = [r.request.request_id for r in result.records if math.isnan(r.finish_s)]
     if unfinished:
         raise RuntimeError(f"the simulation ended with {len(unfinished)} requests unfinished: {unfinished[:5]}")

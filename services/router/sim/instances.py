@@ -9,13 +9,18 @@ count as uncomputed in proportion to its remaining time.
 
 A **decode instance** runs continuous batching: each step emits one token for every running
 request and costs ``DecodeCost.seconds(batch, kv)``; a request that arrives joins at the next
-step boundary (or waits while ``max_batch`` are running). No event per token: between two
+step boundary (or waits while ``max_batch`` are running, or, with a KV capacity, while its
+prompt's KV does not fit beside the running ones': a request's KV then grows into the room
+others leave, as an engine's preemption would make room, which is not simulated). No event per token: between two
 changes of the batch (a join, a finish) the batch is fixed and its KV grows by ``batch`` tokens
 a step, so k steps from a boundary take, in closed form::
 
     T(k) = k * s0 + c * batch * k * (k - 1) / 2,     s0 = a + b * batch + c * kv
 
 and the instance jumps from boundary to boundary (``advance``).
+
+Both keep their **lifetime** for the autoscaled cluster (``scaling.py``): when they were started
+(they serve only after a start-up), and when they were removed (after draining).
 """
 
 from __future__ import annotations
@@ -38,9 +43,20 @@ class Queued:
     """Its compute time at that hit."""
 
 
+@dataclass
+class Lifetime:
+    started_at: float = 0.0
+    """When it was started (it costs from then on, start-up included)."""
+    removed_at: float | None = None
+    """When it left the pool (drained); None: still there."""
+    is_retiring: bool = False
+    """Told to leave: it takes no new work and is removed once idle."""
+
+
 class SimPrefill:
     def __init__(self, instance_id: str) -> None:
         self.instance_id = instance_id
+        self.life = Lifetime()
         self.queue: deque[Queued] = deque()
         self.queued_s = 0.0
         self.num_queued_tokens = 0
@@ -86,6 +102,14 @@ class SimPrefill:
         assert item is not None, "finish() on an idle prefill instance"
         return item
 
+    @property
+    def num_requests(self) -> int:
+        return len(self.queue) + (self.running is not None)
+
+    @property
+    def is_idle(self) -> bool:
+        return self.running is None and not self.queue
+
 
 @dataclass
 class Decoding:
@@ -97,9 +121,11 @@ class Decoding:
 class SimDecode:
     def __init__(self, instance_id: str, cost: DecodeCost, max_batch: int, kv_capacity_tokens: int = 0) -> None:
         self.instance_id = instance_id
+        self.life = Lifetime()
         self.cost = cost
         self.max_batch = max_batch
         self.kv_capacity_tokens = kv_capacity_tokens
+        """KV tokens it holds (0: no limit, and reported as unknown)."""
         self.running: list[Decoding] = []
         self.waiting: deque[Decoding] = deque()
         self.kv = 0
@@ -193,8 +219,19 @@ class SimDecode:
         self.version += 1
         return done
 
+    @property
+    def num_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    @property
+    def is_idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    def _fits(self, item: Decoding) -> bool:
+        return not self.kv_capacity_tokens or not self.running or self.kv + item.kv <= self.kv_capacity_tokens
+
     def admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_batch:
+        while self.waiting and len(self.running) < self.max_batch and self._fits(self.waiting[0]):
             item = self.waiting.popleft()
             self.waiting_kv -= item.kv
             self.running.append(item)

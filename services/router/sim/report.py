@@ -13,7 +13,11 @@ Definitions (times in seconds, t0 the trace's first arrival):
 - goodput: requests (and their output tokens) meeting both SLOs, per second of makespan;
 - utilization: an instance's busy seconds / makespan (decode: seconds with a batch running);
 - imbalance: the slowest instance's busy seconds / the mean, per stage; the headline figure is
-  the busier stage's (the one with more balanced work per instance).
+  the busier stage's (the one with more balanced work per instance);
+- instance-seconds (GPU-seconds: a simulated instance is one reference card): the seconds each
+  instance existed between t0 and the makespan's end, start-up and draining included
+  (``scaling.py``); a fixed fleet's is its size times the makespan;
+- replicas (autoscaled runs): instances per role counted at each planner tick.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from services.router.sim.cluster import SimResult
+from services.router.sim.scaling import instance_seconds
 
 
 @dataclass(frozen=True)
@@ -59,16 +64,31 @@ class Report:
     imbalance_decode: float
     prefill_utilization: tuple[float, ...]
     decode_utilization: tuple[float, ...]
+    instance_s_prefill: float = 0.0
+    instance_s_decode: float = 0.0
+    max_prefill: int = 0
+    """The most prefill instances counted at once (the fleet, when not autoscaled)."""
+    max_decode: int = 0
+    replicas: tuple[tuple[float, int, int], ...] = ()
+    """Autoscaled: (time, prefill, decode) at each planner tick."""
+
+    @property
+    def instance_s(self) -> float:
+        return self.instance_s_prefill + self.instance_s_decode
 
     def summary(self) -> dict[str, float | int | str]:
         """Every scalar figure (no per-instance lists), rounded for printing."""
-        return {key: _rounded(value) for key, value in asdict(self).items()
-                if not isinstance(value, (tuple, list))}
+        figures = {key: _rounded(value) for key, value in asdict(self).items()
+                   if not isinstance(value, (tuple, list))}
+        figures["instance_s"] = _rounded(self.instance_s)
+        return figures
 
     def as_json(self) -> dict[str, object]:
         figures: dict[str, object] = dict(self.summary())
         figures["prefill_utilization"] = [round(u, 4) for u in self.prefill_utilization]
         figures["decode_utilization"] = [round(u, 4) for u in self.decode_utilization]
+        if self.replicas:
+            figures["replicas"] = [[round(t, 3), p, d] for t, p, d in self.replicas]
         return figures
 
 
@@ -100,6 +120,8 @@ def build_report(policy: str, result: SimResult, start_s: float, bound_makespan_
     decode_busy = [d.busy_s for d in result.decodes]
     num_prompt = sum(r.request.input_length for r in records)
     imbalance_prefill, imbalance_decode = imbalance(prefill_busy), imbalance(decode_busy)
+    replicas = tuple((t, counts["prefill"], counts["decode"]) for t, counts in result.replicas)
+    end_s = start_s + makespan
     return Report(
         policy=policy, num_requests=len(records), load=load, time_factor=time_factor,
         makespan_s=makespan, bound_makespan_s=bound_makespan_s,
@@ -115,7 +137,12 @@ def build_report(policy: str, result: SimResult, start_s: float, bound_makespan_
         imbalance=imbalance_prefill if prefill_bound_first else imbalance_decode,
         imbalance_prefill=imbalance_prefill, imbalance_decode=imbalance_decode,
         prefill_utilization=tuple(b * per_s for b in prefill_busy),
-        decode_utilization=tuple(b * per_s for b in decode_busy))
+        decode_utilization=tuple(b * per_s for b in decode_busy),
+        instance_s_prefill=instance_seconds(result.prefills, start_s, end_s),
+        instance_s_decode=instance_seconds(result.decodes, start_s, end_s),
+        max_prefill=max([len(result.prefills) if not replicas else 0] + [p for _, p, _ in replicas]),
+        max_decode=max([len(result.decodes) if not replicas else 0] + [d for _, _, d in replicas]),
+        replicas=replicas)
 
 
 TABLE_COLUMNS = (("policy", "policy", "{}"), ("balanced_ratio", "ratio", "{:.3f}"),
@@ -149,6 +176,9 @@ def describe(report: Report) -> str:
         f"TPOT p50 {report.tpot_p50_s * 1e3:.2f} ms p99 {report.tpot_p99_s * 1e3:.2f} ms",
         f"goodput {report.goodput_req_s:.2f} req/s, {report.goodput_tok_s:.0f} tok/s "
         f"(SLO met by {report.slo_attainment:.3f})",
+        f"instance-seconds (GPU-seconds, one instance = one reference card): prefill "
+        f"{report.instance_s_prefill:.0f}, decode {report.instance_s_decode:.0f}, total {report.instance_s:.0f}"
+        + (f"; replicas at most {report.max_prefill} prefill + {report.max_decode} decode" if report.replicas else ""),
         f"imbalance (slowest / mean busy): prefill {report.imbalance_prefill:.3f}, "
         f"decode {report.imbalance_decode:.3f}",
         f"utilization: prefill mean {np.mean(report.prefill_utilization):.3f} "

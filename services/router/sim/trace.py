@@ -4,12 +4,20 @@
 
 ``timestamp`` is in milliseconds; ``hash_ids`` name the prompt's 512-token blocks, chained (two
 prompts share block ids exactly as long as they share a prefix), the last one possibly partial.
+
+``phased`` builds a trace whose rate changes over time from a real one's requests (their
+lengths and prefixes, in their order) and a list of :class:`Phase`: each phase's arrival rate,
+reached by a linear ramp from the last one's, and a stream of the trace's long prompts only on
+top (a surge of long prompts). Arrivals are Poisson at that rate (seeded thinning). A stream
+that runs out of requests starts the trace over as another tenant, whose salt makes its blocks
+distinct (``hash_ids`` shifted), so a replayed prompt hits no more than its first time did.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -67,3 +75,68 @@ def time_scaled(requests: Sequence[TraceRequest], factor: float) -> list[TraceRe
         return []
     start = requests[0].arrival_s
     return [replace(r, arrival_s=start + (r.arrival_s - start) * factor) for r in requests]
+
+
+@dataclass(frozen=True)
+class Phase:
+    duration_s: float
+    rate_req_s: float
+    """Arrivals per second of the trace's own mix, reached ``ramp_s`` into the phase (linearly
+    from the previous phase's rate)."""
+    long_rate_req_s: float = 0.0
+    """Arrivals per second of its long prompts only, on top (ramped the same way)."""
+
+
+def phased(source: Sequence[TraceRequest], phases: Sequence[Phase], long_tokens: int = 32_768,
+           ramp_s: float = 60.0, seed: int = 0) -> list[TraceRequest]:
+    """The requests of ``source`` (in its order) arriving at the rates ``phases`` give, from 0 s;
+    long prompts are those of at least ``long_tokens`` tokens."""
+    long_ones = [r for r in source if r.input_length >= long_tokens]
+    if not source or any(p.duration_s <= 0 or p.rate_req_s < 0 or p.long_rate_req_s < 0 for p in phases):
+        raise ValueError("phased needs requests, and phases with a duration > 0 and rates >= 0")
+    if any(p.long_rate_req_s > 0 for p in phases) and not long_ones:
+        raise ValueError(f"the trace has no prompt of {long_tokens} tokens or more for a long-prompt phase")
+    stride = 1 + max((max(r.hash_ids, default=0) for r in source), default=0)
+    rng = random.Random(seed)
+    arrivals = [(t, 0, r) for t, r in zip(_poisson(phases, lambda p: p.rate_req_s, ramp_s, rng),
+                                          _replayed(source, stride, 0))]
+    arrivals += [(t, 1, r) for t, r in zip(_poisson(phases, lambda p: p.long_rate_req_s, ramp_s, rng),
+                                           _replayed(long_ones, stride, 1))]
+    arrivals.sort(key=lambda a: (a[0], a[1]))
+    return [replace(r, request_id=f"r{i}", arrival_s=t) for i, (t, _, r) in enumerate(arrivals)]
+
+
+def _rate_at(phases: Sequence[Phase], rate_of, ramp_s: float, t: float) -> float:
+    start, previous = 0.0, rate_of(phases[0])
+    for phase in phases:
+        if t < start + phase.duration_s:
+            share = min(1.0, (t - start) / ramp_s) if ramp_s > 0 else 1.0
+            return previous + (rate_of(phase) - previous) * share
+        start, previous = start + phase.duration_s, rate_of(phase)
+    return 0.0
+
+
+def _poisson(phases: Sequence[Phase], rate_of, ramp_s: float, rng: random.Random) -> list[float]:
+    """Arrival times of a Poisson process at the phases' rate: candidates at the peak rate,
+    each kept with probability rate / peak (thinning)."""
+    peak = max(rate_of(p) for p in phases)
+    end = sum(p.duration_s for p in phases)
+    times: list[float] = []
+    t = 0.0
+    while peak > 0:
+        t += rng.expovariate(peak)
+        if t >= end:
+            break
+        if rng.random() * peak < _rate_at(phases, rate_of, ramp_s, t):
+            times.append(t)
+    return times
+
+
+def _replayed(requests: Sequence[TraceRequest], stride: int, stream: int) -> Iterator[TraceRequest]:
+    """``requests`` over and over; each pass of each stream another tenant (its own block ids)."""
+    copy = 0
+    while True:
+        shift = (2 * copy + stream) * stride
+        for r in requests:
+            yield replace(r, hash_ids=tuple(h + shift for h in r.hash_ids)) if shift else r
+        copy += 1
