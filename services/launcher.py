@@ -21,6 +21,8 @@ own environment variables (EPD_PREFILL_*, EPD_DECODE_*, ...), which they inherit
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import os
 import random
@@ -29,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +40,7 @@ import httpx
 
 from kvstore.transfer.engine import TRANSPORT_CHOICES
 from services.common.config import check, config_or_exit
+from services.local_scaling import LocalScaler
 from services.supervisor import (BackgroundSupervision, Child, ChildFailed, Probe, Supervisor,
                                  remove_shared_memory_of)
 
@@ -108,6 +112,14 @@ class UpConfig:
     command line. None, no keys file, no Redis keys: the API is open to anyone on this machine."""
     api_keys: str = ""
     """The router's API keys file (JSON, hashed keys; created by `epd admin keys create`)."""
+    autoscale: bool = False
+    """Let the router's planner scale prefill, decode and encoder processes while the cluster
+    runs: epd up starts the ones it asks for and drains, then stops, the ones it no longer needs."""
+    planner_config: str = ""
+    """The planner's settings (JSON file: targets, SLOs, min/max per role, windows); empty: its
+    defaults, prefill and decode scaled between --prefills / --decodes and --autoscale-max."""
+    autoscale_max: int = 4
+    """With --autoscale and no --planner-config: the most prefill, and decode, processes."""
 
     def __post_init__(self) -> None:
         check(self.encoders is None or self.encoders >= 0, "encoders", "must be >= 0 (none: auto)")
@@ -118,6 +130,8 @@ class UpConfig:
         check(self.kvstores >= 0, "kvstores", "must be >= 0")
         check(1 <= self.kvstore_replicas <= max(1, self.kvstores), "kvstore_replicas",
               "must be between 1 and the number of store nodes")
+        check(self.autoscale_max >= max(self.prefills, self.decodes), "autoscale_max",
+              "must be >= --prefills and --decodes")
         check(not (self.api_keys and self.redis), "api_keys", "with --redis the router keeps its keys in "
               "Redis: drop the keys file (give --api-key, or add keys with epd admin keys create)")
 
@@ -167,6 +181,7 @@ class Cluster:
         """Whether the router turned away a request without an API key (known once started;
         None: the router could not be asked)."""
         self._background: BackgroundSupervision | None = None
+        self._planner_file: str | None = None
 
     def _spawn(self, name: str, module: str, args: list[str]) -> Child:
         host = self.config.host
@@ -196,12 +211,37 @@ class Cluster:
             args += ["--disk-dir", disk_dir]
         return args + (["--redis-url", c.redis] if c.redis else [])
 
+    def spawn_instance(self, role: str) -> Child:
+        """One more process of ``role`` (prefill, decode, encoder), started, not yet healthy."""
+        index = 1 + max((int(child.name.rsplit("-", 1)[1]) for child in self.children
+                         if child.name.rsplit("-", 1)[0] == role), default=-1)
+        name = f"{role}-{index}"
+        if role == "encoder":
+            return self._spawn(name, "services.encoder", ["--model", self.config.model] if self.config.model else [])
+        kvstores = self.role_children("kvstore")
+        return self._spawn(name, f"services.{role}", self._engine_args(kvstores) + ["--instance-id", name])
+
+    def role_children(self, role: str) -> list[Child]:
+        return [child for child in self.children if child.name.rsplit("-", 1)[0] == role]
+
+    @property
+    def router(self) -> Child:
+        return self.child("router")
+
+    def router_argv(self) -> list[str]:
+        """The router's command line for the instances of now (a router restarted after a
+        scaling starts with them)."""
+        return self._router(self.role_children("encoder"), self.role_children("prefill"),
+                            self.role_children("decode")).argv
+
     def _router(self, encoders: list[Child], prefills: list[Child], decodes: list[Child]) -> Child:
         c = self.config
         args = [arg for child in prefills for arg in ("--prefill", child.address)]
         args += [arg for child in decodes for arg in ("--decode", child.address)]
         args += [arg for child in encoders for arg in ("--encoder", child.address)]
         args += ["--admin-port", str(c.admin_port)]
+        if c.autoscale:
+            args += ["--planner", "launcher", "--planner-config", c.planner_config or self._planner_config_file()]
         args += [arg for flag, value in (("--prefill-policy", c.prefill_policy),
                                          ("--decode-policy", c.decode_policy)) if value for arg in (flag, value)]
         args += ["--api-keys-file", c.api_keys] if c.api_keys else []
@@ -215,6 +255,17 @@ class Cluster:
             sys.executable, "-m", "services.router", "--host", c.host, "--port", str(c.port), *args],
             Probe(http_url=url + "/health"), metrics_url=url + "/metrics", env=env)
 
+    def _planner_config_file(self) -> str:
+        """--autoscale's default planner settings, in a file of their own (removed at stop)."""
+        if self._planner_file is None:
+            c = self.config
+            roles = {"prefill": {"min_replicas": c.prefills, "max_replicas": c.autoscale_max},
+                     "decode": {"min_replicas": c.decodes, "max_replicas": c.autoscale_max}}
+            fd, self._planner_file = tempfile.mkstemp(prefix="epd-planner-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"roles": roles}, f)
+        return self._planner_file
+
     async def start(self) -> str:
         """Start every process; the router's base URL once everything is healthy. Raises
         ChildFailed (a RuntimeError) if one exits or is not healthy in time."""
@@ -224,12 +275,9 @@ class Cluster:
         if c.num_encoders and not os.environ.get("EPD_ENCODER_WEIGHTS"):
             logger.warning("the encoders' vision tower is random (no EPD_ENCODER_WEIGHTS): images are "
                            "accepted, but what the model says about them means nothing")
-        encoders = [self._spawn(f"encoder-{i}", "services.encoder", ["--model", c.model] if c.model else [])
-                    for i in range(c.num_encoders)]
-        prefills = [self._spawn(f"prefill-{i}", "services.prefill", self._engine_args(kvstores) + ["--instance-id", f"prefill-{i}"])
-                    for i in range(c.prefills)]
-        decodes = [self._spawn(f"decode-{i}", "services.decode", self._engine_args(kvstores) + ["--instance-id", f"decode-{i}"])
-                   for i in range(c.decodes)]
+        encoders = [self.spawn_instance("encoder") for _ in range(c.num_encoders)]
+        prefills = [self.spawn_instance("prefill") for _ in range(c.prefills)]
+        decodes = [self.spawn_instance("decode") for _ in range(c.decodes)]
         await self._wait_healthy(encoders + prefills + decodes)
         router = self._router(encoders, prefills, decodes)
         router.spawn()
@@ -251,14 +299,31 @@ class Cluster:
         return next(child for child in self.children if child.name == name)
 
     async def supervise(self, stop: asyncio.Event) -> None:
-        """Restart every child that dies, until ``stop`` is set (in this event loop)."""
-        await Supervisor(self.children, self.config.startup_timeout_s).run(stop)
+        """Restart every child that dies, until ``stop`` is set (in this event loop); with
+        --autoscale, also start and stop processes as the router's planner asks."""
+        tasks = [Supervisor(self.children, self.config.startup_timeout_s).run(stop)]
+        if self.config.autoscale:
+            tasks.append(LocalScaler(self).follow(stop))
+        await asyncio.gather(*tasks)
+
+    async def stop_child(self, child: Child) -> None:
+        """One child out of supervision and stopped: SIGTERM (it drains), SIGKILL after the grace period."""
+        self.children.remove(child)   # first: the supervisor must not restart it
+        if child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(child.process.wait, self.config.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop in time: killing it", child.name)
+            child.process.kill()
+            await asyncio.to_thread(child.process.wait)
+        remove_shared_memory_of(child.process.pid)
 
     def supervise_in_background(self) -> None:
         """Restart every child that dies, from a thread of its own, until :meth:`stop`: for a
         caller with no event loop running (tests)."""
         assert self._background is None, "already supervised"
-        self._background = BackgroundSupervision(Supervisor(self.children, self.config.startup_timeout_s)).start()
+        self._background = BackgroundSupervision(_Supervision(self)).start()
 
     def stop(self) -> None:
         """No more restarts; SIGTERM everything (router first, so no new work arrives), then
@@ -281,6 +346,19 @@ class Cluster:
         finally:
             if self._background is not None:
                 self._background.close()
+            if self._planner_file is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._planner_file)
+
+
+@dataclass(frozen=True)
+class _Supervision:
+    """What BackgroundSupervision runs: the cluster's supervision (restarts, and scaling with --autoscale)."""
+
+    cluster: Cluster
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.cluster.supervise(stop)
 
 
 async def run(config: UpConfig) -> int:

@@ -206,6 +206,7 @@ class BackgroundSupervision:
     and its full drain."""
 
     def __init__(self, supervisor: Supervisor) -> None:
+        """``supervisor``: a Supervisor, or anything else with ``async run(stop: asyncio.Event)``."""
         self._supervisor = supervisor
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None

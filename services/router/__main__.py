@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 import grpc.aio
 import uvicorn
@@ -21,6 +22,8 @@ from services.router.cluster.metrics import register_pool_metrics
 from services.router.admin.app import create_admin_app
 from services.router.access.gate import Gate, build_gate
 from services.router.cluster.pipeline import ClusterBackend
+from services.router.planner import Planner, PlannerConfig
+from services.router.planner.live import LivePlanner, Publisher
 from services.router.policies import Policy, make_policy
 from services.router.policies.prefill_buckets import scale_bounds
 
@@ -51,15 +54,43 @@ async def run(config: RouterConfig) -> int:
         await gate.close()
 
 
+def build_planner(config: RouterConfig, backend: ClusterBackend) -> LivePlanner | None:
+    """The planner --planner asks for (ConfigError: its settings file is wrong)."""
+    if config.planner == "off":
+        return None
+    try:
+        settings = PlannerConfig.from_json(Path(config.planner_config).read_text()) if config.planner_config \
+            else PlannerConfig()
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--planner-config / EPD_ROUTER_PLANNER_CONFIG: {exc}", "planner_config", str(exc)) from None
+    if config.planner == "kubernetes":
+        from services.router.planner.kubernetes_actuator import KubernetesActuator  # the client only where used
+        actuator = KubernetesActuator(namespace=config.k8s_namespace, label_selector=config.k8s_label_selector)
+    else:
+        actuator = Publisher(config.planner)
+    pools = {"prefill": backend.prefills, "decode": backend.decodes, "encoder": backend.encoders}
+    return LivePlanner(Planner(settings), pools, actuator, config.kvstore)
+
+
 async def _run(config: RouterConfig, gate: Gate) -> int:
     backend = ClusterBackend(config.prefill, config.decode, config.encoder, policies(config),
                              health_timeout_s=config.health_timeout_s,
                              decode_idle_timeout_s=config.decode_idle_timeout_s,
-                             max_migrations=config.max_migrations)
+                             max_migrations=config.max_migrations, leave_timeout_s=config.leave_timeout_s)
+    try:
+        planner = build_planner(config, backend)
+    except ConfigError as exc:
+        logger.error("%s", exc)
+        await backend.close()
+        return 2
+    if config.discovery == "kubernetes":
+        from services.router.cluster.kubernetes import KubernetesDiscovery  # the client only where used
+        backend.discover(KubernetesDiscovery(namespace=config.k8s_namespace, label_selector=config.k8s_label_selector,
+                                             resync_s=config.k8s_resync_s))
     try:
         await backend.connect(timeout_s=config.connect_timeout_s)
-    except grpc.aio.AioRpcError as exc:
-        logger.error("no prefill instance described the model within %.0f s: %s", config.connect_timeout_s, exc)
+    except (grpc.aio.AioRpcError, TimeoutError) as exc:
+        logger.error("no instance described the model within %.0f s: %s", config.connect_timeout_s, exc)
         await backend.close()
         return 1
     register_pool_metrics({"prefill": backend.prefills, "decode": backend.decodes, "encoder": backend.encoders})
@@ -74,15 +105,20 @@ async def _run(config: RouterConfig, gate: Gate) -> int:
         admin = create_admin_app({"prefill": backend.prefills, "decode": backend.decodes,
                                   "encoder": backend.encoders}, config.admin_token,
                                  prepare=lambda policy: configure_buckets(policy, config, backend.max_model_len),
-                                 keys=gate.store)
+                                 keys=gate.store, cluster=backend, planner=planner)
         servers.append(uvicorn.Server(uvicorn.Config(admin, host=config.admin_host, port=config.admin_port,
                                                      log_level="warning")))
         logger.info("admin API on http://%s:%d/admin/ (bearer token)", config.admin_host, config.admin_port)
     elif config.admin_port is not None:
         logger.warning("no admin token (--admin-token / EPD_ROUTER_ADMIN_TOKEN): the admin API is off")
+    if planner is not None:
+        planner.start()
+        logger.info("planner on (%s), every %g s", planner.mode, planner.planner.config.interval_s)
     try:
         await _serve_all(servers)
     finally:
+        if planner is not None:
+            await planner.close()
         await backend.close()
     return 0
 

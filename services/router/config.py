@@ -20,16 +20,40 @@ class RouterConfig:
     """Address the HTTP server binds to; 0.0.0.0 in a container."""
     port: int = 8000
     """HTTP port (the OpenAI API, /health, /metrics); 0 picks a free one."""
-    prefill: tuple[str, ...] = ("127.0.0.1:50061",)
-    """gRPC addresses of the prefill instances (comma-separated or repeated)."""
-    decode: tuple[str, ...] = ("127.0.0.1:50071",)
+    prefill: tuple[str, ...] = ()
+    """gRPC addresses of the prefill instances (comma-separated or repeated); none: the router
+    waits (up to connect_timeout_s) for instances from discovery or POST /admin/instances."""
+    decode: tuple[str, ...] = ()
     """gRPC addresses of the decode instances."""
     encoder: tuple[str, ...] = ()
     """gRPC addresses of the encoder instances; none: images are refused."""
+    discovery: str = "static"
+    """Where instances come from besides the admin API: static (the --prefill / --decode /
+    --encoder addresses) or kubernetes (the EndpointSlices of the role Services, watched; the
+    addresses given are kept too)."""
+    k8s_namespace: str = ""
+    """Namespace whose EndpointSlices are watched; empty: the pod's own (else "default")."""
+    k8s_label_selector: str = ""
+    """Label selector of the role Services' EndpointSlices (e.g. app.kubernetes.io/instance=epd);
+    the role comes from their epd.io/role label."""
+    k8s_resync_s: float = 30.0
+    """Seconds between two full re-lists of the EndpointSlices (besides the watch)."""
+    planner: str = "off"
+    """The planner (replicas per role from this router's signals): off; external (publish the
+    desired replicas as the epd_planner_desired_replicas gauge and in GET /admin/planner, for
+    KEDA / an HPA); launcher (the same, for epd up --autoscale); kubernetes (patch each role's
+    workload scale). Run it in one router only."""
+    planner_config: str = ""
+    """JSON file of the planner's settings (SLOs, targets, windows, min/max per role); empty: defaults."""
+    kvstore: tuple[str, ...] = ()
+    """gRPC addresses of the KV store nodes whose capacity use the planner follows."""
+    leave_timeout_s: float = 60.0
+    """How long an instance that left (Kubernetes, the admin API) keeps the router's requests
+    already on it before it is dropped whatever they are."""
     served_model_name: tuple[str, ...] = ()
     """Extra names clients may use for the model (its own name always works)."""
     connect_timeout_s: float = 120.0
-    """How long to wait at start for a prefill instance to describe the model."""
+    """How long to wait at start for a prefill or decode instance to describe the model."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long open requests get to finish."""
     prefill_policy: str = "prefill_buckets"
@@ -98,8 +122,11 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         check(0 <= self.port <= 65535, "port", "must be in 0..65535 (0: a free port)")
-        check(bool(self.prefill), "prefill", "needs at least one prefill address")
-        check(bool(self.decode), "decode", "needs at least one decode address")
+        check(self.discovery in ("static", "kubernetes"), "discovery", "must be static or kubernetes")
+        check(self.k8s_resync_s > 0, "k8s_resync_s", "must be > 0")
+        check(self.planner in ("off", "external", "launcher", "kubernetes"), "planner",
+              "must be off, external, launcher or kubernetes")
+        check(self.leave_timeout_s >= 0, "leave_timeout_s", "must be >= 0")
         check(self.connect_timeout_s > 0, "connect_timeout_s", "must be > 0")
         for field in ("prefill_policy", "decode_policy", "encoder_policy"):
             check(getattr(self, field) in POLICIES, field,

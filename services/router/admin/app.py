@@ -5,12 +5,18 @@
                                                whether its load is stale (reports stopped) and how old,
                                                failures in a row and outlier ejection
     GET  /admin/router                         this router: pid, restarts (by its supervisor)
+    POST /admin/instances                      {"role", "address", "instance_id"?, "source"?}: a new
+                                               instance; it gets work after its first load report
+    DELETE /admin/instances/{id}[?wait=true]   it leaves: no new requests, removed once this router's
+                                               requests on it are done (wait: answer then, 200;
+                                               else at once, 202); Kubernetes' own are refused (409)
     POST /admin/instances/{id}/drain           no new requests for it (in-flight ones finish)
     POST /admin/instances/{id}/undrain
     GET  /admin/policies                       each role's policy, picks per policy, last pick
     PUT  /admin/policies/{role}                {"policy": name}: switch at once
     GET  /admin/prefill/buckets                bounds, caps, round period, room, allocation, last
                                                round's demand and backlog, requests waiting
+    GET  /admin/planner, PUT /admin/planner    the planner: decisions, pause, limits, overrides (planner.py)
     PUT  /admin/prefill/buckets                {"bounds"?, "caps"?, "round_s"?, "room_s"?}: at once
     POST /admin/keys, GET /admin/keys, POST /admin/keys/{id}/revoke    API keys (admin_keys.py)
 
@@ -21,6 +27,7 @@ Every path needs ``Authorization: Bearer <admin token>`` (401 otherwise). Errors
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import time
@@ -36,9 +43,23 @@ from services.common.metrics import restart_count
 from services.router.admin.keys import add_key_routes
 from services.router.access.auth import KeyStore
 from services.router.cluster.instances import InstancePool
+from services.router.cluster.membership import Member
+from services.router.cluster.pipeline import ClusterBackend
+from services.router.admin.planner import add_planner_routes
+from services.router.planner.live import LivePlanner
 from services.router.policies import POLICIES, Policy, make_policy
 
 ROLES = ("prefill", "decode", "encoder")
+
+
+class NewInstance(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str
+    address: str
+    """host:port of its gRPC server."""
+    instance_id: str = ""
+    source: str = "admin"
+    """Who adds it: admin (by hand) or launcher (epd up scaling a role)."""
 
 
 class PolicyChange(BaseModel):
@@ -59,10 +80,13 @@ class BucketChange(BaseModel):
 
 
 def create_admin_app(pools: dict[str, InstancePool], token: str,
-                     prepare: Callable[[Policy], None] = lambda policy: None, keys: KeyStore | None = None) -> FastAPI:
+                     prepare: Callable[[Policy], None] = lambda policy: None, keys: KeyStore | None = None,
+                     cluster: ClusterBackend | None = None, planner: LivePlanner | None = None) -> FastAPI:
     """``pools``: role -> the router's instance pool for it; ``prepare(policy)`` gives a policy
     switched in through the API the router's settings (bucket bounds scaled to the model...);
-    ``keys``: the API key store the /admin/keys routes manage (admin_keys.py; None: no such routes)."""
+    ``keys``: the API key store the /admin/keys routes manage (admin_keys.py; None: no such routes);
+    ``cluster``: the backend whose membership POST / DELETE /admin/instances change (None: no such routes);
+    ``planner``: the router's planner (planner.py's routes; None: 404 there)."""
     if not token:
         raise ValueError("the admin API needs a token")
     app = FastAPI(title="epd router admin API", openapi_url="/admin/openapi.json", docs_url="/admin/docs",
@@ -110,7 +134,10 @@ def create_admin_app(pools: dict[str, InstancePool], token: str,
             for instance, view in zip(pool.instances, pool.views()):
                 load = instance.load
                 out.append({"id": view.instance_id, "address": instance.address, "role": role,
+                            "source": getattr(instance, "source", "static"),
                             "healthy": view.is_healthy, "draining": view.is_draining, "drained": instance.is_drained,
+                            "ready": instance.is_ready, "leaving": instance.is_leaving,
+                            "in_flight": getattr(instance, "num_in_flight", 0),
                             # "load" is its last report: stale once reports stop (dead, frozen, restarting)
                             "stale": load is not None and not instance.is_reporting(now, pool.health_timeout_s),
                             "report_age_s": None if load is None else round(now - instance.report_at, 3),
@@ -126,6 +153,11 @@ def create_admin_app(pools: dict[str, InstancePool], token: str,
                                 "num_patches_in_flight": load.num_patches_in_flight,
                                 "num_sent_since_report": instance.num_sent}})
         return out
+
+    if cluster is not None:
+        add_membership_routes(app, cluster, find, authorized)
+    if planner is not None:
+        add_planner_routes(app, planner, authorized)
 
     @app.get("/admin/router", dependencies=[Depends(authorized)])
     def router() -> dict[str, Any]:
@@ -182,6 +214,38 @@ def create_admin_app(pools: dict[str, InstancePool], token: str,
     if keys is not None:
         add_key_routes(app, keys, authorized)
     return app
+
+
+def add_membership_routes(app: FastAPI, cluster: ClusterBackend, find, authorized) -> None:
+    @app.post("/admin/instances", dependencies=[Depends(authorized)], status_code=201)
+    async def add_instance(new: NewInstance) -> dict[str, Any]:
+        if new.source not in ("admin", "launcher"):
+            raise HTTPException(400, f"source must be admin or launcher, got {new.source!r}")
+        try:
+            member = Member(new.role, new.address, new.instance_id)
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
+        owner = cluster.membership.owner(new.address)
+        if owner is not None:
+            raise HTTPException(409, f"{new.address} is already an instance (from {owner})")
+        cluster.apply(cluster.membership.add(new.source, member))
+        return {"id": new.instance_id or new.address, "address": new.address, "role": new.role,
+                "source": new.source}
+
+    @app.delete("/admin/instances/{instance_id}", dependencies=[Depends(authorized)])
+    async def remove_instance(instance_id: str, wait: bool = False) -> JSONResponse:
+        _, instance = find(instance_id)
+        source = cluster.membership.owner(instance.address)
+        if source == "kubernetes":
+            raise HTTPException(409, f"{instance_id} is Kubernetes' (an endpoint of its Service): scale its "
+                                     "workload down, or drain it here")
+        if source is None:
+            raise HTTPException(409, f"{instance_id} is leaving already")
+        leaving = cluster.apply(cluster.membership.remove(source, instance.address))
+        if wait:
+            await asyncio.gather(*leaving)
+        body = {"id": instance.instance_id, "address": instance.address, "leaving": not wait, "removed": wait}
+        return JSONResponse(body, status_code=200 if wait else 202)
 
 
 def _buckets_body(pool: InstancePool) -> dict[str, Any]:

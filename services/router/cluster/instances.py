@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -66,6 +66,11 @@ class Instance(LoadEstimate, Generic[S]):
 
     channel: grpc.aio.Channel
     stub: S
+    source: str = "static"
+    """Where the router learnt of it (membership.py): static, kubernetes, admin, launcher."""
+    num_in_flight: int = 0
+    """This router's requests using it now (a prefill's until decode took its KV); a leaving
+    instance is removed when this reaches 0."""
 
 
 @dataclass
@@ -81,12 +86,16 @@ class InstancePool(Generic[S]):
                  max_eject_s: float = 30.0) -> None:
         self.role = role
         self.report_interval_s = report_interval_s
-        instances = [Instance(a, channel=(channel := grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)),
-                              stub=stub_class(channel)) for a in addresses]
+        self._stub_class = stub_class
         self.placer: Placer[_Waiter, Instance[S]] = Placer(
-            role, instances, policy, time.monotonic, health_timeout_s, cost, eject_after, eject_s, max_eject_s)
+            role, [], policy, time.monotonic, health_timeout_s, cost, eject_after, eject_s, max_eject_s)
         self._wake: asyncio.TimerHandle | None = None
-        self._watchers: list[asyncio.Task] = []
+        self._watchers: dict[int, asyncio.Task] = {}
+        """id(instance) -> the task following its load reports."""
+        self._is_watching = False
+        self._retiring: set[asyncio.Task] = set()
+        for address in addresses:
+            self.add(address)
 
     # What the admin API and the metrics read: the core's.
     @property
@@ -230,9 +239,77 @@ class InstancePool(Generic[S]):
         self.placer.set_drained(instance, is_drained)
         self.dispatch()
 
+    # ----- membership ----------------------------------------------------------------------------
+    def add(self, address: str, source: str = "static", instance_id: str = "", is_ready: bool = True) -> Instance[S]:
+        """A new instance. Once the pool follows load reports, it gets work after its first
+        one. An instance still leaving at that address stays, and stops leaving."""
+        for instance in self.placer.instances:
+            if instance.address == address:
+                if not instance.is_leaving:
+                    raise ValueError(f"{self.role} {address} is already in the pool")
+                instance.is_leaving, instance.source = False, source
+                self.placer.set_ready(instance, is_ready)
+                self.dispatch()
+                return instance
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        instance = Instance(address, instance_id=instance_id, channel=channel, stub=self._stub_class(channel),
+                            source=source, is_ready=is_ready, needs_report=self._is_watching)
+        self.placer.add(instance)
+        if self._is_watching:
+            self._start_watching(instance)
+        logger.info("%s %s joined (%s)", self.role, address, source)
+        self.dispatch()
+        return instance
+
+    def retire(self, instance: Instance[S], timeout_s: float) -> asyncio.Task:
+        """``instance`` leaves: no new work now; removed once this router's requests on it are
+        done, or after ``timeout_s`` whatever they are. The task ends when it is out."""
+        self.placer.retire(instance)
+        self.dispatch()
+        task = asyncio.get_running_loop().create_task(self._remove_when_idle(instance, timeout_s))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+        return task
+
+    async def _remove_when_idle(self, instance: Instance[S], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while instance.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if not instance.is_leaving or instance not in self.placer.instances:
+            return   # it came back meanwhile, or is gone already
+        if instance.num_in_flight:
+            logger.warning("%s %s left with %d requests still on it after %.0f s", self.role,
+                           instance.address, instance.num_in_flight, timeout_s)
+        self.placer.remove(instance)
+        watcher = self._watchers.pop(id(instance), None)
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        await instance.channel.close()
+        logger.info("%s %s left (%s)", self.role, instance.address, instance.source)
+        self.dispatch()
+
+    def set_ready(self, instance: Instance[S], is_ready: bool) -> None:
+        self.placer.set_ready(instance, is_ready)
+        self.dispatch()
+
+    @contextlib.contextmanager
+    def using(self, instance: Instance[S]) -> Iterator[None]:
+        """Counts a request of this router on ``instance`` while the block runs."""
+        instance.num_in_flight += 1
+        try:
+            yield
+        finally:
+            instance.num_in_flight -= 1
+
     # ----- load reports ------------------------------------------------------------------------
     def start_watching(self) -> None:
-        self._watchers = [asyncio.get_running_loop().create_task(self._watch(i)) for i in self.placer.instances]
+        self._is_watching = True
+        for instance in self.placer.instances:
+            self._start_watching(instance)
+
+    def _start_watching(self, instance: Instance[S]) -> None:
+        self._watchers[id(instance)] = asyncio.get_running_loop().create_task(self._watch(instance))
 
     async def _watch(self, instance: Instance[S]) -> None:
         request = common_pb2.WatchLoadRequest(interval_s=self.report_interval_s)
@@ -254,8 +331,8 @@ class InstancePool(Generic[S]):
             self._wake.cancel()
         for waiter in self.placer.waiting.drain():
             waiter.future.cancel()
-        for task in self._watchers:
+        for task in [*self._watchers.values(), *self._retiring]:
             task.cancel()
-        await asyncio.gather(*self._watchers, return_exceptions=True)
+        await asyncio.gather(*self._watchers.values(), *self._retiring, return_exceptions=True)
         for instance in self.placer.instances:
             await instance.channel.close()

@@ -41,6 +41,7 @@ from services.pb import common_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_gr
 from services.pb import prefill_pb2, prefill_pb2_grpc
 from services.router.cluster.backend import GenerateChunk, GenerateRequest
 from services.router.cluster.instances import Instance, InstancePool
+from services.router.cluster.membership import Change, Discovery, MembershipTable, StaticDiscovery
 from services.router.policies import Policy, RequestView, make_policy
 
 logger = logging.getLogger(__name__)
@@ -63,19 +64,25 @@ class StreamSilent(UnavailableError):
 class ClusterBackend:
     def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...], encoder: tuple[str, ...] = (),
                  policies: dict[str, Policy] | None = None, health_timeout_s: float = 3.0,
-                 decode_idle_timeout_s: float = 5.0, max_migrations: int = 3) -> None:
-        """``policies``: role -> policy (default: round robin for every role)."""
+                 decode_idle_timeout_s: float = 5.0, max_migrations: int = 3, leave_timeout_s: float = 30.0) -> None:
+        """``policies``: role -> policy (default: round robin for every role). ``prefill``,
+        ``decode``, ``encoder``: the static members (more join through :meth:`discover` and
+        :meth:`apply`). ``leave_timeout_s``: how long a leaving instance's requests get."""
         policies = policies or {}
         self.decode_idle_timeout_s = decode_idle_timeout_s
         self.max_migrations = max_migrations
+        self.leave_timeout_s = leave_timeout_s
 
-        def pool(role: str, addresses: tuple[str, ...], stub_class) -> InstancePool:
-            return InstancePool(role, addresses, stub_class, policies.get(role) or make_policy("round_robin"),
+        def pool(role: str, stub_class) -> InstancePool:
+            return InstancePool(role, (), stub_class, policies.get(role) or make_policy("round_robin"),
                                 health_timeout_s=health_timeout_s)
 
-        self.prefills = pool("prefill", prefill, prefill_pb2_grpc.PrefillStub)
-        self.decodes = pool("decode", decode, decode_pb2_grpc.DecodeStub)
-        self.encoders = pool("encoder", encoder, encoder_pb2_grpc.EncoderStub)
+        self.prefills = pool("prefill", prefill_pb2_grpc.PrefillStub)
+        self.decodes = pool("decode", decode_pb2_grpc.DecodeStub)
+        self.encoders = pool("encoder", encoder_pb2_grpc.EncoderStub)
+        self.membership = MembershipTable()
+        self._discovering: list[asyncio.Task] = []
+        self.apply(self.membership.update("static", StaticDiscovery.of(prefill, decode, encoder).members))
         self.info: ModelInfo | None = None
         self.tokenizer: Tokenizer | None = None
 
@@ -83,26 +90,60 @@ class ClusterBackend:
     def pools(self) -> tuple[InstancePool, ...]:
         return (self.prefills, self.decodes, self.encoders)
 
+    def pool_of(self, role: str) -> InstancePool:
+        return {"prefill": self.prefills, "decode": self.decodes, "encoder": self.encoders}[role]
+
+    # ----- membership ----------------------------------------------------------------------
+    def apply(self, changes: list[Change]) -> list[asyncio.Task]:
+        """Membership changes into the pools; the tasks of the instances leaving (each ends
+        once its instance is out)."""
+        leaving = []
+        for change in changes:
+            member, pool = change.member, self.pool_of(change.member.role)
+            if change.kind == "join":
+                pool.add(member.address, change.source, member.instance_id, member.is_ready)
+            elif change.kind == "leave":
+                leaving.append(pool.retire(pool.find(member.address), self.leave_timeout_s))
+            else:
+                pool.set_ready(pool.find(member.address), change.kind == "ready")
+        return leaving
+
+    def discover(self, discovery: Discovery) -> None:
+        """Follow ``discovery``'s members from now on (until :meth:`close`)."""
+        def publish(members) -> None:
+            self.apply(self.membership.update(discovery.source, members))
+        self._discovering.append(asyncio.get_running_loop().create_task(discovery.run(publish)))
+
     async def connect(self, timeout_s: float = 60.0) -> None:
         """Learn the model (name, limits, tokenizer) from whichever engine instance answers first
-        (waiting for one to come up: they may still be loading the model, or one may be down
-        while this router restarts), then follow every instance's load."""
-        asking = [asyncio.ensure_future(i.stub.GetModelInfo(common_pb2.ModelInfoRequest(), timeout=timeout_s,
-                                                            wait_for_ready=True))
-                  for i in (*self.prefills.instances, *self.decodes.instances)]
+        (waiting for one to come up: they may still be loading the model, one may be down while
+        this router restarts, or discovery has not found any yet), then follow every instance's
+        load. TimeoutError, or the last instance's RPC error, when none answered in time."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        asking: dict[str, asyncio.Future] = {}
         try:
-            for answer in asyncio.as_completed(asking):
-                try:
-                    msg = await answer
+            while True:
+                for i in (*self.prefills.instances, *self.decodes.instances):
+                    if i.address not in asking:
+                        asking[i.address] = asyncio.ensure_future(i.stub.GetModelInfo(
+                            common_pb2.ModelInfoRequest(), timeout=max(0.1, deadline - loop.time()),
+                            wait_for_ready=True))
+                answered = [t for t in asking.values() if t.done() and t.exception() is None]
+                if answered:
+                    msg = answered[0].result()
                     break
-                except grpc.aio.AioRpcError as exc:
-                    error = exc
-            else:
-                raise error
+                failed = [t for t in asking.values() if t.done()]
+                if loop.time() >= deadline:
+                    if failed:
+                        raise failed[-1].exception()
+                    raise TimeoutError(f"no prefill or decode instance described the model within {timeout_s:g} s")
+                pending = [t for t in asking.values() if not t.done()]
+                await asyncio.wait(pending, timeout=0.2) if pending else await asyncio.sleep(0.2)
         finally:
-            for task in asking:
+            for task in asking.values():
                 task.cancel()
-            await asyncio.gather(*asking, return_exceptions=True)
+            await asyncio.gather(*asking.values(), return_exceptions=True)
         self.info = info = model_info_from_proto(msg)
         if info.tokenizer_json:
             self.tokenizer = Tokenizer(BackendTokenizer.from_str(info.tokenizer_json),
@@ -130,6 +171,9 @@ class ClusterBackend:
         return all(pool.num_serving() > 0 for pool in (self.prefills, self.decodes))
 
     async def close(self) -> None:
+        for task in self._discovering:
+            task.cancel()
+        await asyncio.gather(*self._discovering, return_exceptions=True)
         for pool in self.pools:
             await pool.close()
 
@@ -141,8 +185,9 @@ class ClusterBackend:
                            self._block_hashes(spec) if self.prefills.policy.needs_block_hashes
                            else ())
         prefill, first = await self._prefill(spec, view)
+        handover = _HandOver(self, prefill, first.kv)
         first_logprobs = (first.first_token_logprobs,) if first.first_token_logprobs is not None else ()
-        decoding = None if first.finish_reason is not None else self._decode(spec, view, prefill, first)
+        decoding = None if first.finish_reason is not None else self._decode(spec, view, handover, first)
         try:
             yield GenerateChunk((first.first_token_id,), first.finish_reason, first.stop_reason,
                                 num_prompt, first.num_cached_tokens, first_logprobs)
@@ -153,52 +198,49 @@ class ClusterBackend:
                                     chunk.num_cached_tokens, chunk.logprobs)
         finally:
             if decoding is not None:
-                await decoding.aclose()  # releases a KV handle no decode instance took
+                await decoding.aclose()
+            # A KV handle no decode instance took (also when the client left before decoding
+            # started: closing a generator that never ran runs none of its code).
+            await handover.release()
 
-    async def _decode(self, spec: RequestSpec, view: RequestView, prefill,
+    async def _decode(self, spec: RequestSpec, view: RequestView, handover: _HandOver,
                       first: PrefillResponse) -> AsyncGenerator[TokenChunk, None]:
         """The tokens after the first, from decode instances: when one's stream breaks or goes
         silent, the request moves to another with every token so far (up to ``max_migrations``
         times), so the chunks read as one stream."""
-        kv = first.kv
         output = [first.first_token_id]
         failed: list[str] = []
         reason = ""
-        try:
-            while True:
-                instance = await self._pick_decode(view, failed, reason)
-                message = DecodeRequest(spec, tuple(output), kv, first.num_cached_tokens, prefill.address,
-                                        num_migrations=len(failed))
-                try:
+        while True:
+            instance = await self._pick_decode(view, failed, reason)
+            message = DecodeRequest(spec, tuple(output), handover.kv, first.num_cached_tokens,
+                                    handover.instance.address, num_migrations=len(failed))
+            try:
+                with self.decodes.using(instance):
                     async with contextlib.aclosing(self._read_decode(instance, message)) as chunks:
                         async for chunk in chunks:
                             # The instance has the request: it read the KV (or recomputes) and
                             # releases the lease itself.
-                            kv = None
+                            handover.taken()
                             self.decodes.succeeded(instance)
                             output += chunk.token_ids
                             yield chunk
                             if chunk.finish_reason:
                                 return
-                    raise UnavailableError(f"decode instance {instance.address} ended the stream "
-                                           "without a finish_reason")
-                except UnavailableError as exc:
-                    self.decodes.failed(instance)
-                    failed.append(instance.address)
-                    reason = "silent" if isinstance(exc, StreamSilent) else "broken"
-                    if kv is not None:  # never reused: the failed instance may have released it
-                        await self._release(prefill, kv.lease_id)
-                        kv = None
-                    if len(failed) > self.max_migrations:
-                        MIGRATIONS.labels(reason, "gave_up").inc()
-                        raise UnavailableError(f"the request's decode failed {len(failed)} times, the "
-                                               f"last on {instance.address}: {exc}") from exc
-                    MIGRATIONS.labels(reason, "moved").inc()
-                    logger.warning("decode stream of %s on %s %s (%s) after %d tokens: moving it",
-                                   spec.request_id, instance.address, reason, exc, len(output))
-        finally:
-            if kv is not None:
-                await self._release(prefill, kv.lease_id)
+                raise UnavailableError(f"decode instance {instance.address} ended the stream "
+                                       "without a finish_reason")
+            except UnavailableError as exc:
+                self.decodes.failed(instance)
+                failed.append(instance.address)
+                reason = "silent" if isinstance(exc, StreamSilent) else "broken"
+                await handover.release()  # never reused: the failed instance may have released it
+                if len(failed) > self.max_migrations:
+                    MIGRATIONS.labels(reason, "gave_up").inc()
+                    raise UnavailableError(f"the request's decode failed {len(failed)} times, the "
+                                           f"last on {instance.address}: {exc}") from exc
+                MIGRATIONS.labels(reason, "moved").inc()
+                logger.warning("decode stream of %s on %s %s (%s) after %d tokens: moving it",
+                               spec.request_id, instance.address, reason, exc, len(output))
 
     async def _pick_decode(self, view: RequestView, failed: list[str], reason: str):
         """A decode instance for the request; one it ``failed`` on only when no other is left.
@@ -223,8 +265,9 @@ class ClusterBackend:
         try:
             while True:
                 try:
-                    chunk = await asyncio.wait_for(call.read(), self.decode_idle_timeout_s)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(self.decode_idle_timeout_s):  # no task per chunk, as wait_for makes
+                        chunk = await call.read()
+                except TimeoutError:
                     raise StreamSilent(f"nothing for {self.decode_idle_timeout_s:g} s") from None
                 except grpc.aio.AioRpcError as exc:
                     raise _stream_error(exc) from exc
@@ -245,7 +288,8 @@ class ClusterBackend:
             placement = await self.prefills.place(view, arrival=next(arrivals, False))
             instance = placement.instance
             try:
-                reply = await instance.stub.Prefill(message)
+                with self.prefills.using(instance):
+                    reply = await instance.stub.Prefill(message)
             except grpc.aio.AioRpcError as exc:
                 error = error_from_rpc(exc)
                 if error.retryable:
@@ -299,7 +343,8 @@ class ClusterBackend:
         async def attempt():
             instance = self.encoders.pick(view, arrival=not failed, avoid=failed)
             try:
-                reply = await instance.stub.Encode(message)
+                with self.encoders.using(instance):
+                    reply = await instance.stub.Encode(message)
             except grpc.aio.AioRpcError as exc:
                 error = error_from_rpc(exc)
                 if error.retryable:
@@ -311,6 +356,28 @@ class ClusterBackend:
 
         reply = await retry(attempt, retry_on=is_retryable, attempts=max(2, len(self.encoders)))
         return [(image.image_hash, tensor_from_proto(image.embeddings)) for image in reply.images]
+
+
+class _HandOver:
+    """The KV handle a prefill instance left for decode. Until a decode instance took it (its
+    first chunk) or it is released, the prefill instance counts the request as in flight, so
+    it does not leave the pool (membership) while decode may still read from it."""
+
+    def __init__(self, backend: ClusterBackend, instance: Instance, kv) -> None:
+        self.backend, self.instance, self.kv = backend, instance, kv
+        if kv is not None:
+            instance.num_in_flight += 1
+
+    def taken(self) -> None:
+        if self.kv is not None:
+            self.kv = None
+            self.instance.num_in_flight -= 1
+
+    async def release(self) -> None:
+        if self.kv is not None:
+            lease_id = self.kv.lease_id
+            self.taken()
+            await self.backend._release(self.instance, lease_id)
 
 
 def _stream_error(exc: grpc.aio.AioRpcError) -> EPDError:
