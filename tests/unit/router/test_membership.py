@@ -10,11 +10,14 @@ import httpx
 import pytest
 
 from services.common.errors import UnavailableError
+from services.common.sampling_params import SamplingParams
 from services.common.wire import LoadReport
+from services.pb import prefill_pb2
 from services.router.admin.app import create_admin_app
 from services.router.cluster.membership import Change, Member, MembershipTable, StaticDiscovery
+from services.router.cluster.backend import GenerateRequest
 from services.router.cluster.pipeline import ClusterBackend
-from services.router.policies import RequestView
+from services.router.policies import RequestView, make_policy
 
 A, B, C = "10.0.0.1:5000", "10.0.0.2:5000", "10.0.0.3:5000"
 HEADERS = {"Authorization": "Bearer token"}
@@ -169,6 +172,42 @@ def test_the_admin_api_adds_and_removes_instances_and_says_where_each_came_from(
                 quick = await client.delete(f"/admin/instances/{B}", headers=HEADERS)
                 assert quick.status_code == 202 and quick.json()["leaving"] is True
                 assert (await client.delete("/admin/instances/10.9.9.9:1", headers=HEADERS)).status_code == 404
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
+
+
+class FakePrefill:
+    """Answers Prefill with a first token and a KV handle; records the leases released."""
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
+    async def Prefill(self, message, **kwargs):
+        reply = prefill_pb2.PrefillResponse(first_token_id=7)
+        reply.kv.lease_id = "lease-1"
+        return reply
+
+    async def Release(self, message, **kwargs):
+        self.released.append(message.lease_id)
+        return prefill_pb2.ReleaseResponse()
+
+
+def test_a_prefill_holds_the_request_until_its_kv_is_released_also_when_the_client_leaves_before_decode():
+    """Closing the stream right after the first token (decoding never started) must still
+    release the KV handle at the prefill instance, and only then may that instance leave."""
+    async def main():
+        backend = ClusterBackend((A,), (B,), policies={"prefill": make_policy("round_robin")})
+        prefill = backend.prefills.instances[0]
+        prefill.stub = fake = FakePrefill()
+        try:
+            request = GenerateRequest("cmpl-1", (1, 2, 3), SamplingParams(max_tokens=8))
+            chunks = backend.generate(request)
+            first = await chunks.__anext__()
+            assert first.token_ids == (7,) and prefill.num_in_flight == 1   # decode may still read it
+            await chunks.aclose()
+            assert fake.released == ["lease-1"] and prefill.num_in_flight == 0
         finally:
             await backend.close()
 
