@@ -3,6 +3,10 @@
     epd admin instances
     epd admin router                            (the router itself: pid, restarts)
     epd admin drain ID | undrain ID
+    epd admin add ROLE ADDRESS [--id ID]        (a new instance: prefill, decode, encoder at host:port)
+    epd admin remove ID [--wait]                (it leaves once its requests are done)
+    epd admin planner [--pause | --resume]      (each role's decision, inputs, reason, history)
+    epd admin scale ROLE N | auto               (hold ROLE at N replicas; auto: the planner decides again)
     epd admin policies
     epd admin policy ROLE NAME                  (ROLE: prefill, decode, encoder)
     epd admin buckets [--bounds A,B,C] [--caps A,B,C,D] [--round-s S]
@@ -40,6 +44,19 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("router", help="the router itself: pid and restarts")
     for name in ("drain", "undrain"):
         sub.add_parser(name, help=f"{name} one instance").add_argument("instance_id")
+    add = sub.add_parser("add", help="a new instance, while the router runs")
+    add.add_argument("role", choices=("prefill", "decode", "encoder"))
+    add.add_argument("address", help="host:port of its gRPC server")
+    add.add_argument("--id", default="", help="its instance id (default: learnt from its load reports)")
+    remove = sub.add_parser("remove", help="an instance leaves: no new requests, removed once its requests are done")
+    remove.add_argument("instance_id")
+    remove.add_argument("--wait", action="store_true", help="answer once it is out")
+    planner = sub.add_parser("planner", help="the planner: decisions per role, or pause / resume it")
+    planner.add_argument("--pause", action="store_true")
+    planner.add_argument("--resume", action="store_true")
+    scale = sub.add_parser("scale", help="hold a role at N replicas (auto: let the planner decide again)")
+    scale.add_argument("role", choices=("encoder", "prefill", "decode", "kvstore"))
+    scale.add_argument("replicas", type=lambda t: None if t == "auto" else int(t), metavar="N|auto")
     sub.add_parser("policies", help="each role's policy and per-policy stats")
     change = sub.add_parser("policy", help="switch a role's policy")
     change.add_argument("role", choices=("prefill", "decode", "encoder"))
@@ -78,6 +95,15 @@ def request(args: argparse.Namespace) -> tuple[str, str, dict | None]:
         return "GET", f"/admin/{args.command}", None
     if args.command in ("drain", "undrain"):
         return "POST", f"/admin/instances/{args.instance_id}/{args.command}", None
+    if args.command == "add":
+        return "POST", "/admin/instances", {"role": args.role, "address": args.address, "instance_id": args.id}
+    if args.command == "remove":
+        return "DELETE", f"/admin/instances/{args.instance_id}" + ("?wait=true" if args.wait else ""), None
+    if args.command == "planner":
+        paused = True if args.pause else False if args.resume else None
+        return ("GET", "/admin/planner", None) if paused is None else ("PUT", "/admin/planner", {"paused": paused})
+    if args.command == "scale":
+        return "PUT", "/admin/planner", {"roles": {args.role: {"override": args.replicas}}}
     if args.command == "policies":
         return "GET", "/admin/policies", None
     if args.command == "policy":
@@ -96,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     method, path, body = request(args)
     try:
-        reply = httpx.request(method, args.url.rstrip("/") + path, json=body, timeout=10,
+        reply = httpx.request(method, args.url.rstrip("/") + path, json=body, timeout=120 if "wait=" in path else 10,
                               headers={"Authorization": f"Bearer {args.token}"})
     except httpx.HTTPError as exc:
         print(f"epd admin: cannot reach {args.url}: {exc}", file=sys.stderr)

@@ -110,9 +110,9 @@ def encoder(signals: RoleSignals, config: PlannerConfig) -> Need | None:
 
 
 def kvstore(signals: RoleSignals, config: PlannerConfig) -> Need | None:
-    if signals.used is None or not signals.capacity or signals.num_replicas < 1:
+    if signals.used is None or not signals.capacity or signals.num_ready < 1:
         return None
-    per_node = signals.capacity / signals.num_replicas
+    per_node = signals.capacity / signals.num_ready   # the capacity is of the nodes that answered
     return Need(load=signals.used / (per_node * config.kvstore_capacity_target),
                 is_urgent=signals.used >= signals.capacity,
                 inputs={"used": signals.used, "capacity": signals.capacity},

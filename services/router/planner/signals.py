@@ -57,7 +57,7 @@ class RoleSignals:
     used: float | None = None
     """KV store: blocks (or bytes) in use over all nodes."""
     capacity: float | None = None
-    """KV store: blocks (or bytes) the nodes hold in all."""
+    """KV store: blocks (or bytes) the ready nodes (those that answered) hold in all."""
 
 
 @dataclass(frozen=True)
