@@ -35,6 +35,8 @@ bench: setup
 	$(BIN)/python benchmarks/prefix_cache.py
 	$(BIN)/python benchmarks/structured_overhead.py
 	$(BIN)/python benchmarks/chaos.py
+	$(BIN)/python benchmarks/autoscale.py
+	$(BIN)/python benchmarks/router_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
