@@ -44,7 +44,6 @@ import json
 import math
 import sys
 import time
-from collections.abc import Mapping
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -130,7 +130,7 @@ class UpConfig:
         check(self.kvstores >= 0, "kvstores", "must be >= 0")
         check(1 <= self.kvstore_replicas <= max(1, self.kvstores), "kvstore_replicas",
               "must be between 1 and the number of store nodes")
-        check(self.autoscale_max >= max(self.prefills, self.decodes), "autoscale_max",
+        check(not self.autoscale or self.autoscale_max >= max(self.prefills, self.decodes), "autoscale_max",
               "must be >= --prefills and --decodes")
         check(not (self.api_keys and self.redis), "api_keys", "with --redis the router keeps its keys in "
               "Redis: drop the keys file (give --api-key, or add keys with epd admin keys create)")

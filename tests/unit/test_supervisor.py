@@ -128,3 +128,12 @@ def test_the_restart_count_reaches_the_process_and_its_load_report(monkeypatch):
     assert restart_count() == 0
     report = LoadReport("decode-0", "decode", num_running=1, num_restarts=3)
     assert load_from_proto(load_to_proto(report)) == report
+
+
+def test_autoscale_settings_are_checked_only_with_autoscale():
+    from services.common.config import ConfigError
+    from services.launcher import UpConfig
+
+    assert UpConfig(prefills=6).autoscale_max == 4          # no --autoscale: the maximum is not in play
+    with pytest.raises(ConfigError, match="autoscale_max: must be >= --prefills and --decodes"):
+        UpConfig(prefills=6, autoscale=True)
