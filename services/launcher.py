@@ -7,6 +7,8 @@ Life cycle::
     start the router --wait for HTTP /health 200-- print the endpoints
     supervise: a child that dies is restarted on the same ports, with back-off (supervisor.py);
                the others keep serving meanwhile
+    scale (--autoscale): processes of a role started and registered with the router, or drained
+               and stopped, as the router's planner asks (local_scaling.py)
     stop (Ctrl-C / SIGTERM): SIGTERM to every child (they drain), SIGKILL after the grace period
 
 A child that dies while the cluster is still starting aborts the start (everything is stopped,
@@ -301,10 +303,13 @@ class Cluster:
     async def supervise(self, stop: asyncio.Event) -> None:
         """Restart every child that dies, until ``stop`` is set (in this event loop); with
         --autoscale, also start and stop processes as the router's planner asks."""
-        tasks = [Supervisor(self.children, self.config.startup_timeout_s).run(stop)]
-        if self.config.autoscale:
-            tasks.append(LocalScaler(self).follow(stop))
-        await asyncio.gather(*tasks)
+        scaling = asyncio.ensure_future(LocalScaler(self).follow(stop)) if self.config.autoscale else None
+        try:
+            await Supervisor(self.children, self.config.startup_timeout_s).run(stop)
+        finally:   # a scaling step in progress (a start, a drain) is not waited for: stop() ends it
+            if scaling is not None:
+                scaling.cancel()
+                await asyncio.gather(scaling, return_exceptions=True)
 
     async def stop_child(self, child: Child) -> None:
         """One child out of supervision and stopped: SIGTERM (it drains), SIGKILL after the grace period."""
@@ -317,6 +322,9 @@ class Cluster:
             logger.warning("%s did not stop in time: killing it", child.name)
             child.process.kill()
             await asyncio.to_thread(child.process.wait)
+        except asyncio.CancelledError:   # the cluster is stopping: stop() waits for it with the rest
+            self.children.append(child)
+            raise
         remove_shared_memory_of(child.process.pid)
 
     def supervise_in_background(self) -> None:

@@ -14,7 +14,8 @@ nothing). ``epd up`` follows it::
 
 One step per role per round; a start that fails is logged and tried again next round. The
 router's own command line is rewritten after each change, so a router restarted by the
-supervisor starts with the instances of now. Store nodes are not scaled here: every engine is
+supervisor starts with the instances of now, and each round registers again any process that
+is up but unknown to the router (its POST came while the router was away). Store nodes are not scaled here: every engine is
 started with the list of store nodes.
 """
 
@@ -59,12 +60,30 @@ class LocalScaler:
         async with httpx.AsyncClient(headers=self.headers, timeout=10.0) as client:
             while not stop.is_set():
                 try:
+                    await self._register_missing(client)
                     desired = await self._desired(client)
                     await asyncio.gather(*(self.step(client, role, n) for role, n in desired.items()))
                 except (httpx.HTTPError, ChildFailed, KeyError, ValueError) as exc:
                     logger.warning("scaling: %s (trying again)", exc)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.poll_s)
+
+    async def _register_missing(self, client: httpx.AsyncClient) -> None:
+        """A process that is up but that the router does not know (its POST failed: the router
+        was restarting) is registered again."""
+        reply = await client.get(f"{self.admin_url}/instances")
+        reply.raise_for_status()
+        known = {instance["address"] for instance in reply.json()}
+        for role in SCALED_ROLES:
+            for child in self.cluster.role_children(role):
+                if child.address not in known and child.healthy_since is not None:
+                    await self._register(client, role, child)
+
+    async def _register(self, client: httpx.AsyncClient, role: str, child: Child) -> None:
+        reply = await client.post(f"{self.admin_url}/instances", json={
+            "role": role, "address": child.address, "instance_id": child.name, "source": "launcher"})
+        if reply.status_code != 409:   # 409: it is known already
+            reply.raise_for_status()
 
     async def _desired(self, client: httpx.AsyncClient) -> dict[str, int]:
         reply = await client.get(f"{self.admin_url}/planner")
@@ -88,10 +107,8 @@ class LocalScaler:
         except ChildFailed:
             await self.cluster.stop_child(child)
             raise
-        reply = await client.post(f"{self.admin_url}/instances", json={
-            "role": role, "address": child.address, "instance_id": child.name, "source": "launcher"})
-        reply.raise_for_status()
         self.cluster.router.argv = self.cluster.router_argv()
+        await self._register(client, role, child)
         logger.info("%s (%s) serves", child.name, child.address)
 
     async def remove(self, client: httpx.AsyncClient, child: Child) -> None:
