@@ -20,7 +20,8 @@ positions past a sequence's length inside its last block are masked out.
   nothing to gather);
 * a chunk that continues a sequence (chunked prefill, prefix hit) reads its context blocks
   where they lie, given the CPU's kernels (:mod:`services.engine.kernels.cpu`: one call a
-  layer for all such chunks, causal from each chunk's start); otherwise it gathers them and
+  layer for all such chunks, causal from each chunk's start) or, on CUDA, the Triton ones
+  (:mod:`services.engine.kernels.triton_attention`, same calls); otherwise it gathers them and
   uses SDPA with an explicit causal mask offset by its start;
 * single-token decodes all go to the CPU's decode kernel in one call, which reads each
   context's blocks in place; otherwise they are sorted by context length and run in a few
@@ -31,11 +32,15 @@ positions past a sequence's length inside its last block are masked out.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from services.engine.kernels.cpu import CpuKernels
+
+if TYPE_CHECKING:  # imports triton: only where chosen (services.engine.kernels.select)
+    from services.engine.kernels.triton_attention import TritonKernels
 
 
 @dataclass
@@ -82,9 +87,9 @@ class AttentionMetadata:
     slot_rows: torch.Tensor  # [T] token row (layer 0, k) of each new token
     spans: list[Span]
     decodes: list[DecodeGroup]
-    kernels: CpuKernels | None = None
-    """The CPU's kernels: then decodes and continued chunks are in the two batches, not in
-    decodes and spans, and the model stores K/V with ``CpuKernels.rope_store``."""
+    kernels: CpuKernels | TritonKernels | None = None
+    """The CPU's kernels or the Triton ones (CUDA): then decodes and continued chunks are in the
+    two batches, not in decodes and spans, and the model stores K/V with their ``rope_store``."""
     decode_batch: DecodeBatch | None = None
     prefill_batch: PrefillBatch | None = None
     workspace: torch.Tensor | None = None
@@ -111,10 +116,11 @@ class AttentionMetadata:
 
 
 def build_metadata(chunks: list[tuple[int, int, list[int]]], block_size: int, num_layers: int,
-                   device: torch.device, kernels: CpuKernels | None = None) -> AttentionMetadata:
+                   device: torch.device,
+                   kernels: CpuKernels | TritonKernels | None = None) -> AttentionMetadata:
     """``chunks``: (start_position, num_new_tokens, block_table) per sequence, in batch order.
-    With ``kernels`` (the CPU's), single-token decodes go to them as one :class:`DecodeBatch`
-    and continued chunks as one :class:`PrefillBatch`; fresh prompts stay spans."""
+    With ``kernels`` (the CPU's or the Triton ones), single-token decodes go to them as one
+    :class:`DecodeBatch` and continued chunks as one :class:`PrefillBatch`; fresh prompts stay spans."""
     stride = 2 * num_layers  # block rows per block
     slot_rows: list[int] = []
     spans: list[Span] = []

@@ -16,7 +16,7 @@ import torch
 
 from services.engine.attention import AttentionMetadata, build_metadata
 from services.engine.grammar import GrammarMatchers
-from services.engine.kernels import cpu as cpu_kernels
+from services.engine.kernels import select as kernel_select
 from services.engine.models.config import ModelConfig
 from services.engine.models.llama import LlamaForCausalLM, rope_inv_freq
 from services.common.sampling_params import TokenLogprobs
@@ -93,9 +93,11 @@ class ModelRunner:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self._gather_buffer = self.kv_cache.new_empty((2, 0) + tuple(self.kv_cache.shape[3:]))
         # Where the CPU's kernels exist (fp32), attention reads blocks in place and decode steps
-        # use packed weights; else torch runs it all (CUDA, bf16 on the CPU, no C compiler).
-        self._kernels = cpu_kernels.kernels() if device.type == "cpu" and dtype == torch.float32 else None
-        if self._kernels is not None:
+        # use packed weights; on CUDA the Triton kernels read blocks in place; else torch runs it
+        # all (bf16 on the CPU, no C compiler, no triton, or turned off).
+        self.attention_backend = kernel_select.attention_backend(device, dtype)
+        self._kernels = kernel_select.kernels_for(self.attention_backend)
+        if self.attention_backend == "cpu":
             self.model.pack_for_decode(self._kernels)
         self.sampler = Sampler()
         self._generators: dict[RequestId, torch.Generator] = {}

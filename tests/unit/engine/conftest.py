@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# The Triton kernels are tested on the CPU through Triton's interpreter, which must be chosen
+# before triton is first imported, by whichever test imports it first (the GPU tests run in
+# their own session, `make gpu-check`, where triton compiles for the device).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from services.engine.kernels import cpu
 
