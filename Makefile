@@ -1,6 +1,7 @@
 # make setup: .venv with every package pinned (idempotent: a stamp skips it when nothing changed)
 # make run:   set-up, then the local cluster (epd up) serving the OpenAI API on 127.0.0.1:8000
 # make test:  set-up, then the whole test suite
+# make gpu-check: on a machine with CUDA, the GPU checks in under 8 minutes (one JSON summary)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.epd-setup
 # CUDA users: make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128
 TORCH_INDEX ?=
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -37,6 +38,9 @@ bench: setup
 	$(BIN)/python benchmarks/chaos.py
 	$(BIN)/python benchmarks/autoscale.py
 	$(BIN)/python benchmarks/router_overhead.py
+
+gpu-check: setup
+	$(BIN)/python benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
