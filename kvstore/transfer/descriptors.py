@@ -23,6 +23,9 @@ class Endpoint:
     host_id: HostId
     tcp_address: str
     """``host:port`` of the owner's data server; "" when it runs none."""
+    nixl: str = ""
+    """The owner's NIXL agent, its metadata and region addresses (``nixl.PeerInfo``); "" when
+    it runs no NIXL transport."""
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ any other reader pulls from the owner's data server thread (tcp).
 from __future__ import annotations
 
 import hashlib
+import logging
 import socket
 from typing import Iterable, Sequence
 
@@ -21,6 +22,8 @@ from kvstore.transfer.descriptors import BlockDesc, Endpoint, HostId, KVHandle, 
 from kvstore.transfer.memory import MemoryRegion
 from kvstore.transfer.registry import load_transport
 from kvstore.transfer.state import TransferOp
+
+log = logging.getLogger(__name__)
 
 
 def local_host_id() -> HostId:
@@ -33,10 +36,25 @@ def local_host_id() -> HostId:
     return HostId(hashlib.sha256(f"{boot_id}|{socket.gethostname()}".encode()).hexdigest()[:16])
 
 
-TRANSPORT_CHOICES = {"auto": ("shm", "tcp"), "tcp": ("tcp",)}
+def _nixl_installed() -> bool:
+    import importlib.util  # find_spec, not import: nixl pulls torch and takes a second
+    return importlib.util.find_spec("nixl") is not None
+
+
+TRANSPORT_CHOICES: dict[str, tuple[str, ...]] = {
+    "auto": ("shm", "tcp"), "shm": ("shm",), "tcp": ("tcp",),
+    **({"nixl": ("nixl",)} if _nixl_installed() else {}),
+}
 """What a service's ``--kv-transport`` enables, in order of preference: ``auto`` reads a peer on
-the same host through shared memory and others over TCP; ``tcp`` always goes over TCP (what
-hosts apart do; the tests force it to run that path on one machine)."""
+the same host through shared memory and others over TCP; each other choice forces that one
+transport (``tcp`` is what hosts apart do; the tests force it to run that path on one machine),
+``nixl`` only where it is installed. ``auto`` leaves NIXL out for now: it has run only on one
+host here (UCX over CMA), every process that loads it starts an agent with a progress thread,
+and a process that also loads grpc_tools' protoc crashes (NIXL bundles its own gRPC / protobuf;
+the stubs' freshness test runs protoc in a process of its own for that reason). Once it has run
+between hosts: ``("shm", "nixl", "tcp") if _nixl_installed() else ("shm", "tcp")``."""
+OPTIONAL_TRANSPORTS = frozenset({"nixl"})
+"""Left out, with a warning, when they fail to start among others; fatal when forced alone."""
 
 
 class TransferEngine:
@@ -53,13 +71,22 @@ class TransferEngine:
         self._transports: dict[str, Transport] = {}
         try:
             for name in transports:
-                self._transports[name] = load_transport(name)(options)
+                try:
+                    self._transports[name] = load_transport(name)(options)
+                except Exception as exc:
+                    if name not in OPTIONAL_TRANSPORTS or len(transports) == 1:
+                        raise
+                    log.warning("kv transport %s unavailable, going on without it: %s", name, exc)
         except BaseException:
             self.close()
             raise
         self._regions: dict[RegionId, MemoryRegion] = {}
-        tcp = self._transports.get("tcp")
-        self.endpoint = Endpoint(self.host_id, getattr(tcp, "address", ""))
+        self.endpoint = self._endpoint()
+
+    def _endpoint(self) -> Endpoint:
+        """Where peers read us; NIXL's part names the registered regions, so it follows them."""
+        return Endpoint(self.host_id, getattr(self._transports.get("tcp"), "address", ""),
+                        getattr(self._transports.get("nixl"), "info", ""))
 
     def register(self, region: MemoryRegion) -> None:
         if region.region_id in self._regions:
@@ -67,12 +94,14 @@ class TransferEngine:
         self._regions[region.region_id] = region
         for transport in self._transports.values():
             transport.register(region)
+        self.endpoint = self._endpoint()
 
     def unregister(self, region_id: str) -> None:
         """Peers' reads of this region fail from now on (the region itself stays open)."""
         for transport in self._transports.values():
             transport.unregister(RegionId(region_id))
         self._regions.pop(RegionId(region_id), None)
+        self.endpoint = self._endpoint()
 
     def export(self, region_id: str, offsets_and_lengths: Iterable[tuple[int, int]],
                lease_id: str) -> KVHandle:

@@ -10,6 +10,7 @@ from kvstore.transfer.base import Transport
 TRANSPORTS: dict[str, str] = {
     "shm": "kvstore.transfer.shm:ShmTransport",
     "tcp": "kvstore.transfer.tcp:TcpTransport",
+    "nixl": "kvstore.transfer.nixl:NixlTransport",
     "fake": "kvstore.transfer.fake:FakeTransport",
 }
 

@@ -204,7 +204,8 @@ def stop_reason_from_proto(msg: common_pb2.StopReason) -> str | int | None:
 def kv_handle_to_proto(handle: KVHandle) -> kvstore_pb2.KVHandle:
     return kvstore_pb2.KVHandle(
         lease_id=handle.lease_id,
-        owner=kvstore_pb2.Endpoint(host_id=handle.owner.host_id, tcp_address=handle.owner.tcp_address),
+        owner=kvstore_pb2.Endpoint(host_id=handle.owner.host_id, tcp_address=handle.owner.tcp_address,
+                                   nixl=handle.owner.nixl),
         regions=[kvstore_pb2.RegionDesc(region_id=r.region_id, shm_path=r.shm_path, length=r.length)
                  for r in handle.regions],
         blocks=[kvstore_pb2.BlockDesc(region_id=b.region_id, offset=b.offset, length=b.length,
@@ -213,7 +214,7 @@ def kv_handle_to_proto(handle: KVHandle) -> kvstore_pb2.KVHandle:
 
 def kv_handle_from_proto(msg: kvstore_pb2.KVHandle) -> KVHandle:
     return KVHandle(
-        lease_id=msg.lease_id, owner=Endpoint(msg.owner.host_id, msg.owner.tcp_address),
+        lease_id=msg.lease_id, owner=Endpoint(msg.owner.host_id, msg.owner.tcp_address, msg.owner.nixl),
         regions=tuple(RegionDesc(r.region_id, r.shm_path, r.length) for r in msg.regions),
         blocks=tuple(BlockDesc(b.region_id, b.offset, b.length, b.checksum) for b in msg.blocks))
 

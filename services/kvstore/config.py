@@ -26,7 +26,7 @@ class KVStoreConfig(ServerOptions):
     """TCP port of the data server engines on other hosts read from; 0 picks a free one."""
     kv_transport: str = "auto"
     """How this node reads the blocks engines write: auto (shared memory on one host, TCP across
-    hosts) or tcp (always TCP)."""
+    hosts), or one transport always: shm, tcp, or nixl (NIXL over UCX, where installed)."""
     block_bytes: int = 0
     """Bytes of one KV block (all engines of one model agree); 0: learnt from the first Put,
     when the host pool is allocated."""

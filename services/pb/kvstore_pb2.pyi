@@ -7,12 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Endpoint(_message.Message):
-    __slots__ = ("host_id", "tcp_address")
+    __slots__ = ("host_id", "tcp_address", "nixl")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     TCP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     tcp_address: str
-    def __init__(self, host_id: _Optional[str] = ..., tcp_address: _Optional[str] = ...) -> None: ...
+    nixl: str
+    def __init__(self, host_id: _Optional[str] = ..., tcp_address: _Optional[str] = ..., nixl: _Optional[str] = ...) -> None: ...
 
 class RegionDesc(_message.Message):
     __slots__ = ("region_id", "shm_path", "length")

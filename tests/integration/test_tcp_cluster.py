@@ -1,6 +1,7 @@
-"""The cluster with every KV move over TCP (``--kv-transport tcp``), as between machines: the
-prefill -> decode hand-over and the KV store's reads and writes all go through the transfer
-engine's TCP transport (no shared-memory transport is loaded anywhere). Answers equal the offline
+"""The cluster with every KV move over one network transport, as between machines: TCP
+(``--kv-transport tcp``) and NIXL (``--kv-transport nixl``, where it is installed): the prefill ->
+decode hand-over and the KV store's reads and writes all go through that transport of the
+transfer engine (no shared-memory transport is loaded anywhere). Answers equal the offline
 engine's, prefix hits come from the store, and nothing stays held."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.transfer.engine import TRANSPORT_CHOICES
 from kvstore.transfer.memory import SHM_PREFIX
 
 from services.engine import LLM, SamplingParams
@@ -21,15 +23,18 @@ from tests.integration.test_kvstore_cluster import BLOCK, complete, wait_stored
 LENGTHS = [5, 300, 64, 700, 17, 150]
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_chat_model_dir):
+NETWORK_TRANSPORTS = [t for t in ("tcp", "nixl") if t in TRANSPORT_CHOICES]
+
+
+@pytest.fixture(scope="module", params=NETWORK_TRANSPORTS)
+def cluster(request, tiny_chat_model_dir):
     with running_cluster(str(tiny_chat_model_dir), encoders=0, prefills=2, decodes=1, kvstores=1,
                          kv_cache_gib=0.05, max_num_batched_tokens=64, device="cpu",
-                         prefill_policy="round_robin", kv_transport="tcp") as running:
+                         prefill_policy="round_robin", kv_transport=request.param) as running:
         yield running
 
 
-def test_the_hand_over_over_tcp_equals_the_offline_engine(cluster, tiny_chat_model_dir):
+def test_the_hand_over_over_the_network_equals_the_offline_engine(cluster, tiny_chat_model_dir):
     prompts = random_prompts(len(LENGTHS), LENGTHS, vocab=49152, seed=41)
     expected = [o.token_ids for o in LLM(str(tiny_chat_model_dir), num_kv_blocks=1024).generate(
         prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
@@ -43,12 +48,12 @@ def test_the_hand_over_over_tcp_equals_the_offline_engine(cluster, tiny_chat_mod
     assert cluster.leftovers() == []
 
 
-def test_store_writes_and_hits_over_tcp(cluster):
+def test_store_writes_and_hits_over_the_network(cluster):
     prompt = random_prompts(1, [640], vocab=49152, seed=42)[0]
     held = sum(s.num_blocks for s in cluster.store_stats())
     first, cached = complete(cluster, prompt)
     assert cached == 0
-    wait_stored(cluster, held + len(prompt) // BLOCK)   # the store node read the blocks over TCP
+    wait_stored(cluster, held + len(prompt) // BLOCK)   # the store node read the blocks over the network
     hits = cluster.metric("prefill", "epd_kv_store_hit_blocks_total")
     again, cached = complete(cluster, prompt)          # the other prefill: its hits come from the store
     assert again == first and cached >= len(prompt) - 1 - BLOCK

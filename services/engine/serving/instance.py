@@ -48,7 +48,7 @@ class ServingConfig(EngineConfig, ServerOptions):
     """TCP port of the KV data server peers on other hosts read from; 0 picks a free one."""
     kv_transport: str = "auto"
     """How this instance reads KV from peers and the store: auto (shared memory on one host, TCP
-    across hosts) or tcp (always TCP)."""
+    across hosts), or one transport always: shm, tcp, or nixl (NIXL over UCX, where installed)."""
     advertise_host: str = ""
     """Host name peers use to reach this instance; empty: the bind host."""
     image_token_id: int = 0

@@ -32,7 +32,7 @@ def test_request_spec_with_images_round_trips():
 
 
 def test_kv_handle_round_trips():
-    handle = KVHandle("lease-1", Endpoint("host-a", "10.0.0.1:7000"),
+    handle = KVHandle("lease-1", Endpoint("host-a", "10.0.0.1:7000", nixl='{"agent": "a"}'),
                       (RegionDesc("r", "/dev/shm/epd-kv-1-r", 4096),),
                       (BlockDesc("r", 0, 1024, 2**64 - 1), BlockDesc("r", 1024, 512, 0)))
     assert wire.kv_handle_from_proto(wire.kv_handle_to_proto(handle)) == handle
