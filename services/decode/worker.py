@@ -39,6 +39,7 @@ from services.common.errors import KVLoadError, UnavailableError
 from services.common.wire import DecodeRequest, LoadReport, RequestSpec, TokenChunk
 from services.engine.serving.instance import EngineInstance, mm_inputs
 from services.engine.serving.seam import Reservation
+from services.engine.serving.staging import HANDOVER_PATH
 
 logger = logging.getLogger(__name__)
 TRANSFERS = metrics.counter("epd_kv_transfers_total", "KV hand-overs read by this decode instance, by result "
@@ -106,6 +107,8 @@ class DecodeWorker:
         request added without a handle computes what its prefix-cache hits leave (False)."""
         if req.kv is None:
             TRANSFERS.labels("none").inc()
+            if not req.num_migrations:  # a hand-over without KV (a resumed request is no hand-over)
+                HANDOVER_PATH.labels("recompute").inc()
             return False
         seam = self.instance.seam
         try:
@@ -117,6 +120,7 @@ class DecodeWorker:
             self._releases.add(task)  # held: the loop keeps only weak references to tasks
             task.add_done_callback(self._releases.discard)
         TRANSFERS.labels("done" if is_pulled else "failed").inc()
+        HANDOVER_PATH.labels("recompute" if not is_pulled else "staged" if seam.staging else "direct").inc()
         if is_pulled:
             await seam.commit(reservation, num_cached_tokens=req.num_cached_tokens)
         elif self.kv_load_failure_policy == "fail":

@@ -19,7 +19,9 @@
     store (StoreConnector.push), so the next prompt with this prefix hits on any instance.
 
 The decode instance reads the blocks one-sided (shared memory or the transfer engine's data
-server): nothing here runs per block while it reads, and the engine keeps stepping.
+server): nothing here runs per block while it reads, and the engine keeps stepping. A pool the
+transports cannot reach (CUDA; --kv-staging on) lends copies in its host staging region instead,
+and its blocks go back at once (serving/staging.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from services.common.errors import UnavailableError
 from services.common.wire import LoadReport, PrefillResponse, RequestSpec
 from services.engine.seams import Handoff
 from services.engine.serving.instance import EngineInstance, mm_inputs
+from services.engine.serving.staging import HANDOVER_PATH
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +72,15 @@ class PrefillWorker:
     async def _export(self, handoff: Handoff) -> PrefillResponse:
         seam = self.instance.seam
         first = handoff.output_token_ids[0]
-        if not seam.has_host_pool:  # a device pool: decode recomputes the prompt
+        if seam.can_transfer:  # None: the staging region is full (blocks released, as on failure)
+            export = await seam.export_handoff(handoff, uuid.uuid4().hex)
+        else:  # a device pool without staging
             seam.release(handoff)
+            export = None
+        if export is None:  # decode recomputes the prompt
+            HANDOVER_PATH.labels("recompute").inc()
             return PrefillResponse(first, None, None, handoff.num_cached_tokens, None)
-        export = await seam.export_handoff(handoff, uuid.uuid4().hex)  # (released should it fail)
+        HANDOVER_PATH.labels("staged" if export.is_staged else "direct").inc()
         self.leases.grant(lambda: seam.release(export), export.handle.lease_id)
         return PrefillResponse(first, None, None, handoff.num_cached_tokens, export.handle)
 

@@ -1,5 +1,6 @@
 """What a prefill or decode instance is made of: the engine thread, its KV pool registered as a
-memory region, the transfer engine that lets peers read (or write) that pool one-sided, and the
+memory region (or, for a pool peers cannot reach, a host staging region registered instead), the
+transfer engine that lets peers read (or write) that memory one-sided, and the
 :class:`EngineSeam` its worker and store connector reach the engine through.
 
 Shared by the prefill and decode services so both register their pool the same way.
@@ -32,9 +33,11 @@ from services.engine.models.loader import load_model
 from services.engine.sequence import MultiModalInput
 from services.engine.serving.async_engine import AsyncEngine
 from services.engine.serving.seam import EngineSeam
+from services.engine.serving.staging import StagingArea
 from services.engine.serving.store_connector import StoreConnector
 
 logger = logging.getLogger(__name__)
+KV_STAGING_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,13 @@ class ServingConfig(EngineConfig, ServerOptions):
     kvstore_timeout_s: float = 1.0
     """Deadline of a store lookup or acquire (on a request's path: a frozen store node costs at
     most this, then is skipped for a back-off)."""
+    kv_staging: str = "auto"
+    """Move KV through a host staging region: auto (exactly when the pool is device memory, which
+    the transports cannot reach), on (always: on the CPU the pool is then a plain tensor, as on
+    CUDA; a test mode), off (never: a device pool hands over no KV and decode recomputes)."""
+    kv_staging_mib: int = 256
+    """Size of the staging region (at most the pool's size): KV of hand-overs not yet read and of
+    store reads and writes in flight; when it is full they fall back to recompute."""
 
     def __post_init__(self) -> None:
         EngineConfig.__post_init__(self)
@@ -69,6 +79,8 @@ class ServingConfig(EngineConfig, ServerOptions):
         check(self.kv_transport in TRANSPORT_CHOICES, "kv_transport", f"must be one of {', '.join(TRANSPORT_CHOICES)}")
         check(self.kvstore_replicas >= 1, "kvstore_replicas", "must be >= 1")
         check(self.kvstore_timeout_s > 0, "kvstore_timeout_s", "must be > 0")
+        check(self.kv_staging in KV_STAGING_CHOICES, "kv_staging", f"must be one of {', '.join(KV_STAGING_CHOICES)}")
+        check(self.kv_staging_mib >= 1, "kv_staging_mib", "must be >= 1")
 
 
 class EngineInstance:
@@ -80,10 +92,13 @@ class EngineInstance:
         loaded = load_model(engine_config.model)
         self.model_path = Path(loaded.path)
         self.region: MemoryRegion | None = None
+        self.staging: StagingArea | None = None
         # A CUDA pool lives in device memory, which shared memory and sockets cannot reach
-        # directly; such an instance falls back to recompute on the decode side (see docs).
-        host_pool = not engine_config.device.startswith("cuda") and not _cuda_auto(engine_config)
-        allocator = self._allocate_region if host_pool else None
+        # directly; such an instance moves KV through a host staging region, or (staging off)
+        # falls back to recompute on the decode side (see docs).
+        on_cuda = engine_config.device.startswith("cuda") or _cuda_auto(engine_config)
+        is_staged = config.kv_staging == "on" or (config.kv_staging == "auto" and on_cuda)
+        allocator = self._allocate_region if not on_cuda and not is_staged else None
         self.llm = LLMEngine(engine_config, loaded, kv_allocator=allocator)
         self.engine = AsyncEngine(self.llm)
         self.transfer = TransferEngine(host=config.host, port=config.transfer_port,
@@ -91,7 +106,14 @@ class EngineInstance:
                                        advertise_host=config.advertise_host)
         if self.region is not None:
             self.transfer.register(self.region)
-        self.seam = EngineSeam(self.engine, self.transfer, self.region.region_id if self.region else None)
+        if is_staged:
+            pool_bytes = self.llm.kv_block_bytes * self.llm.block_manager.num_blocks
+            self.staging = StagingArea.allocate(min(config.kv_staging_mib * 2**20, pool_bytes), self.llm.kv_block_bytes,
+                                                region_id=f"{self.instance_id}-staging", pin=on_cuda)
+            self.transfer.register(self.staging.region)
+            logger.info("KV moves through a host staging region of %d blocks", self.staging.slots.num_slots)
+        self.seam = EngineSeam(self.engine, self.transfer, self.region.region_id if self.region else None,
+                               self.staging)
         self.store: StoreConnector | None = None
         if config.kvstore:
             from services.kvstore.client import StoreClient
@@ -113,6 +135,8 @@ class EngineInstance:
         self.transfer.close()
         if self.region is not None:
             self.region.close()
+        if self.staging is not None:
+            self.staging.close()
 
     async def watch_engine(self, period_s: float = 0.2) -> None:
         """Returns only when the engine thread has died (the server then exits non-zero)."""

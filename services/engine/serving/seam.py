@@ -16,6 +16,11 @@ The prefill and decode workers and the store connector reach their engine only t
             --> commit(reservation, filled)   what arrived joins the engine
               | recompute(reservation)        nothing usable did: the engine computes it
             (aborting a held request also ends its reservation)
+
+A pool the transfer engine cannot reach (a CUDA pool; ``--kv-staging on`` on the CPU) moves its
+blocks through a :class:`StagingArea` instead: an export copies them into staging slots (the
+pool blocks go back at once, the slots at release) and a read lands in staging slots, then is
+copied into the reserved blocks. No free slot: the export is None, the read fails (recompute).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from services.common.sampling_params import SamplingParams
 from services.engine.seams import Handoff, KVExport, KVReservation
 from services.engine.sequence import BlockId, MultiModalInput
 from services.engine.serving.async_engine import AsyncEngine, RequestStream
+from services.engine.serving.staging import STAGING_FULL, SlotLease, StagingArea, run_to_the_end
 
 
 @dataclass
@@ -59,20 +65,30 @@ class Reservation:
 @dataclass
 class Export:
     """Blocks pinned here for one-sided readers, named by ``handle`` (its lease id is the
-    caller's); they stay pinned until :meth:`EngineSeam.release`."""
+    caller's); they stay pinned until :meth:`EngineSeam.release`. A staged export holds staging
+    ``slots`` instead (its pool blocks, ``pinned`` None, went back once copied out)."""
 
     handle: KVHandle
-    pinned: Handoff | KVExport
+    pinned: Handoff | KVExport | None
+    slots: SlotLease | None = None
+
+    @property
+    def is_staged(self) -> bool:
+        return self.slots is not None
 
 
 class EngineSeam:
-    def __init__(self, engine: AsyncEngine, transfer: TransferEngine, region_id: str | None) -> None:
+    def __init__(self, engine: AsyncEngine, transfer: TransferEngine, region_id: str | None,
+                 staging: StagingArea | None = None) -> None:
         """``region_id``: the KV pool's region in ``transfer``; None for a pool peers cannot
-        reach (a CUDA pool: its hand-overs carry no KV and decode recomputes, see docs)."""
+        reach (a CUDA pool). Such a pool moves KV through ``staging`` (its region registered in
+        ``transfer``); without it, its hand-overs carry no KV and decode recomputes (see docs)."""
+        assert region_id is None or staging is None, "a registered pool needs no staging"
         self._engine = engine
         self._llm = engine.engine
         self._transfer = transfer
         self._region_id = region_id
+        self.staging = staging
 
     @property
     def block_size(self) -> int:
@@ -86,6 +102,11 @@ class EngineSeam:
     def has_host_pool(self) -> bool:
         """Whether peers can read this pool one-sided, and reads can land in it."""
         return self._region_id is not None
+
+    @property
+    def can_transfer(self) -> bool:
+        """Whether KV moves in and out of this pool at all: directly, or through staging."""
+        return self._region_id is not None or self.staging is not None
 
     # ----- requests -----------------------------------------------------------------------
     async def add(self, prompt: list[int], params: SamplingParams, request_id: str, *,
@@ -105,15 +126,10 @@ class EngineSeam:
                                       mm_inputs=mm_inputs, cache_salt=cache_salt)
 
     # ----- lending blocks -----------------------------------------------------------------
-    async def export_handoff(self, handoff: Handoff, lease_id: str) -> Export:
+    async def export_handoff(self, handoff: Handoff, lease_id: str) -> Export | None:
         """Name a hand-over's blocks for one-sided readers (checksummed off the event loop);
-        should that fail, the blocks are released."""
-        try:
-            handle = await self._describe(handoff.block_ids, lease_id)
-        except BaseException:
-            self.release(handoff)
-            raise
-        return Export(handle, handoff)
+        should that fail, the blocks are released. None (blocks released): staging is full."""
+        return await self._lend(handoff.block_ids, lease_id, handoff)
 
     async def export_prefix(self, token_ids: list[int], hashes: list[BlockHash], first_block: int,
                             lease_id: str) -> Export | None:
@@ -124,28 +140,60 @@ class EngineSeam:
         if not block_ids:
             self.release(pinned)
             return None
+        return await self._lend(block_ids, lease_id, pinned)
+
+    def release(self, lent: Export | Handoff) -> None:
+        """Give lent blocks (or staging slots) back: queued for the engine thread, so safe from
+        any thread (a lease's expiry) and from a cancelled task; a second release is a no-op."""
+        if isinstance(lent, Export):
+            if lent.slots is not None:
+                self.staging.slots.free(lent.slots)
+            pinned = lent.pinned
+        else:
+            pinned = lent
+        if isinstance(pinned, Handoff):
+            self._engine.call_soon(self._llm.release_handoff, pinned)
+        elif pinned is not None:
+            self._engine.call_soon(self._llm.release, pinned)
+
+    async def _lend(self, block_ids: list[BlockId], lease_id: str, pinned: Handoff | KVExport) -> Export | None:
+        if self._region_id is None and self.staging is None:
+            self.release(pinned)
+            raise RuntimeError("a pool peers cannot reach has nothing to export")
+        if self.staging is not None:
+            return await self._lend_staged(block_ids, lease_id, pinned)
+        size = self.block_bytes
         try:
-            handle = await self._describe(block_ids, lease_id)
+            handle = await asyncio.to_thread(self._transfer.export, self._region_id,
+                                             [(block_id * size, size) for block_id in block_ids], lease_id)
         except BaseException:
             self.release(pinned)
             raise
         return Export(handle, pinned)
 
-    def release(self, lent: Export | Handoff) -> None:
-        """Give lent blocks back: queued for the engine thread, so safe from any thread (a
-        lease's expiry) and from a cancelled task; a second release of the same blocks is a no-op."""
-        pinned = lent.pinned if isinstance(lent, Export) else lent
-        if isinstance(pinned, Handoff):
-            self._engine.call_soon(self._llm.release_handoff, pinned)
-        else:
-            self._engine.call_soon(self._llm.release, pinned)
+    async def _lend_staged(self, block_ids: list[BlockId], lease_id: str,
+                           pinned: Handoff | KVExport) -> Export | None:
+        """Copy the blocks into staging slots and name those; the pool blocks go back either way."""
+        staging = self.staging
+        slots = staging.slots.alloc(len(block_ids))
+        if slots is None:
+            STAGING_FULL.labels("export").inc()
+            self.release(pinned)
+            return None
+        blocks = [self._llm.block_buffer(block_id) for block_id in block_ids]
 
-    async def _describe(self, block_ids: list[BlockId], lease_id: str) -> KVHandle:
-        if self._region_id is None:
-            raise RuntimeError("a pool peers cannot reach has nothing to export")
-        size = self.block_bytes
-        return await asyncio.to_thread(self._transfer.export, self._region_id,
-                                       [(block_id * size, size) for block_id in block_ids], lease_id)
+        def copy_and_describe() -> KVHandle:
+            staging.copy_from_pool(blocks, slots)
+            return self._transfer.export(staging.region_id, staging.ranges(slots), lease_id)
+
+        try:
+            handle = await run_to_the_end(copy_and_describe)
+        except BaseException:
+            staging.slots.free(slots)
+            raise
+        finally:
+            self.release(pinned)  # copied out (or failed): the pool needs them no longer
+        return Export(handle, None, slots)
 
     # ----- taking blocks in ---------------------------------------------------------------
     async def prompt_hashes(self, token_ids: list[int], mm_inputs: tuple[MultiModalInput, ...] = (),
@@ -170,8 +218,21 @@ class EngineSeam:
     async def read(self, reservation: Reservation, handle: KVHandle, positions: Sequence[int]) -> str | None:
         """Read ``handle.blocks[i]`` one-sided into the reserved block at ``positions[i]``; the
         error, or None when every block arrived (see :func:`read_kv`)."""
-        destinations = [self._llm.block_buffer(reservation.block_ids[p]).numpy() for p in positions]
-        return await read_kv(self._transfer, handle, destinations)
+        destinations = [self._llm.block_buffer(reservation.block_ids[p]) for p in positions]
+        if self.staging is None:
+            return await read_kv(self._transfer, handle, [d.numpy() for d in destinations])
+        staging = self.staging
+        slots = staging.slots.alloc(len(destinations))
+        if slots is None:
+            STAGING_FULL.labels("import").inc()
+            return "the KV staging region is full"
+        try:
+            error = await read_kv(self._transfer, handle, staging.views(slots))
+            if error is None:
+                await run_to_the_end(staging.copy_to_pool, slots, destinations)
+            return error
+        finally:
+            staging.slots.free(slots)
 
     async def commit(self, reservation: Reservation, filled: Sequence[int] | None = None,
                      num_cached_tokens: int = 0) -> None:

@@ -63,8 +63,8 @@ class StoreConnector:
 
     async def _pull(self, token_ids: list[int], mm_inputs: tuple[MultiModalInput, ...], cache_salt: str) -> int:
         seam = self.seam
-        if not seam.has_host_pool:
-            return 0  # a device pool: store reads need a host pool (see docs)
+        if not seam.can_transfer:
+            return 0  # a device pool without staging: store reads need host memory (see docs)
         bs = seam.block_size
         hashes, num_local = await seam.prompt_hashes(token_ids, mm_inputs, cache_salt)
         max_blocks = hit_tokens(len(token_ids), bs, len(hashes), self.shape, lambda end: True) // bs
@@ -131,7 +131,7 @@ class StoreConnector:
                   cache_salt: str = "", request_class: str = "chat") -> asyncio.Task | None:
         """Write the tokens' cached full blocks to the store in the background; the write's
         task (None: this pool cannot be written from)."""
-        if not self.seam.has_host_pool:
+        if not self.seam.can_transfer:
             return None
         task = asyncio.get_running_loop().create_task(self.push(token_ids, mm_inputs, cache_salt, request_class))
         self._pushes.add(task)

@@ -16,6 +16,7 @@ from services.decode.servicer import with_heartbeats
 from services.decode.worker import DecodeWorker
 from services.engine import LLM
 from services.engine.serving.instance import EngineInstance
+from services.engine.serving.staging import HANDOVER_PATH
 from services.prefill.config import PrefillConfig
 from services.prefill.worker import PrefillWorker
 from tests.factories import random_prompts
@@ -24,9 +25,12 @@ PARAMS = SamplingParams(temperature=0.9, seed=11, max_tokens=10, ignore_eos=True
 
 
 async def disaggregated(model: str, prompt: list[int], damage=None, transport: str | None = None,
-                        policy: str = "recompute"):
-    prefill = PrefillWorker(EngineInstance(PrefillConfig(model=model, num_kv_blocks=64, device="cpu"), "prefill"))
-    decode_instance = EngineInstance(DecodeConfig(model=model, num_kv_blocks=64, device="cpu"), "decode")
+                        policy: str = "recompute", staging: tuple[str, str] = ("auto", "auto")):
+    """``staging``: each side's --kv-staging (on: a pool the transports cannot reach, as on CUDA)."""
+    prefill = PrefillWorker(EngineInstance(PrefillConfig(model=model, num_kv_blocks=64, device="cpu",
+                                                         kv_staging=staging[0]), "prefill"))
+    decode_instance = EngineInstance(DecodeConfig(model=model, num_kv_blocks=64, device="cpu",
+                                                  kv_staging=staging[1]), "decode")
 
     async def release(address: str, lease_id: str) -> None:
         prefill.release(lease_id)
@@ -52,6 +56,8 @@ async def disaggregated(model: str, prompt: list[int], damage=None, transport: s
         for worker in (prefill, decode):
             stats = worker.instance.engine.stats
             assert stats.num_free_blocks == stats.num_total_blocks
+            if worker.instance.staging is not None:  # every staging slot back too
+                assert worker.instance.staging.slots.num_free == worker.instance.staging.slots.num_slots
         tokens = [first.first_token_id] + [t for c in chunks for t in c.token_ids]
         return tokens, chunks[-1].kv_recomputed
     finally:
@@ -61,7 +67,7 @@ async def disaggregated(model: str, prompt: list[int], damage=None, transport: s
 
 def corrupt(prefill: PrefillWorker, kv) -> None:
     block = kv.blocks[1]
-    prefill.instance.region.buffer[block.offset + 100] ^= 0xFF
+    (prefill.instance.region or prefill.instance.staging.region).buffer[block.offset + 100] ^= 0xFF
 
 
 def release_early(prefill: PrefillWorker, kv) -> None:
@@ -78,6 +84,21 @@ def test_hand_over_is_exact_and_failures_recompute(tiny_llama_dir, damage, trans
     expected = LLM(str(tiny_llama_dir), num_kv_blocks=64).generate(prompt, PARAMS)[0].token_ids
     tokens, recomputed = asyncio.run(disaggregated(str(tiny_llama_dir), prompt, damage, transport))
     assert tokens == expected and recomputed is is_recomputed
+
+
+@pytest.mark.parametrize("staging, damage, paths", [
+    (("on", "on"), None, ("staged", "staged")), (("on", "auto"), None, ("staged", "direct")),
+    (("auto", "on"), None, ("direct", "staged")), (("on", "on"), corrupt, ("staged", "recompute"))],
+    ids=["both", "prefill-only", "decode-only", "corrupted"])
+def test_a_hand_over_through_staging_is_exact_and_returns_every_slot(tiny_llama_dir, staging, damage, paths):
+    prompt = random_prompts(1, [150], seed=4)[0]
+    expected = LLM(str(tiny_llama_dir), num_kv_blocks=64).generate(prompt, PARAMS)[0].token_ids
+    counts = {path: HANDOVER_PATH.labels(path)._value.get() for path in ("direct", "staged", "recompute")}
+    tokens, recomputed = asyncio.run(disaggregated(str(tiny_llama_dir), prompt, damage, staging=staging))
+    assert tokens == expected and recomputed is (damage is not None)
+    for path in paths:  # each side counts the path it saw: (prefill's export, decode's read)
+        counts[path] += 1
+    assert {path: HANDOVER_PATH.labels(path)._value.get() for path in counts} == counts
 
 
 def test_the_fail_policy_fails_the_request_instead_of_recomputing(tiny_llama_dir):
