@@ -76,7 +76,8 @@ async def _run(config: RouterConfig, gate: Gate) -> int:
     backend = ClusterBackend(config.prefill, config.decode, config.encoder, policies(config),
                              health_timeout_s=config.health_timeout_s,
                              decode_idle_timeout_s=config.decode_idle_timeout_s,
-                             max_migrations=config.max_migrations, leave_timeout_s=config.leave_timeout_s)
+                             max_migrations=config.max_migrations, leave_timeout_s=config.leave_timeout_s,
+                             stage_timeout_s=config.stage_timeout_s)
     try:
         planner = build_planner(config, backend)
     except ConfigError as exc:

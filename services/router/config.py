@@ -78,6 +78,10 @@ class RouterConfig:
     decode_idle_timeout_s: float = 5.0
     """A decode stream that sends nothing for this long (decode instances send a heartbeat
     every second while busy) counts as frozen: its request moves to another instance."""
+    stage_timeout_s: float = 600.0
+    """Deadline of one Prefill or Encode call: past it the request fails with 504 and the
+    instance counts a failure (a frozen instance does not hold requests forever). Long prompts
+    on slow engines need it above their prefill time."""
     max_migrations: int = 3
     """How many times one request may move to another decode instance mid-stream (its stream
     broke or went silent) before it fails."""
@@ -140,6 +144,7 @@ class RouterConfig:
         check(self.room_s >= 0, "room_s", "must be >= 0")
         check(self.health_timeout_s > 0, "health_timeout_s", "must be > 0")
         check(self.decode_idle_timeout_s > 0, "decode_idle_timeout_s", "must be > 0")
+        check(self.stage_timeout_s > 0, "stage_timeout_s", "must be > 0")
         check(self.max_migrations >= 0, "max_migrations", "must be >= 0 (0: a broken stream fails its request)")
         check(self.admin_port is None or 0 <= self.admin_port <= 65535, "admin_port",
               "must be in 0..65535 (0: a free port) or none")

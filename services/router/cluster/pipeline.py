@@ -64,14 +64,18 @@ class StreamSilent(UnavailableError):
 class ClusterBackend:
     def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...], encoder: tuple[str, ...] = (),
                  policies: dict[str, Policy] | None = None, health_timeout_s: float = 3.0,
-                 decode_idle_timeout_s: float = 5.0, max_migrations: int = 3, leave_timeout_s: float = 30.0) -> None:
+                 decode_idle_timeout_s: float = 5.0, max_migrations: int = 3, leave_timeout_s: float = 30.0,
+                 stage_timeout_s: float = 600.0) -> None:
         """``policies``: role -> policy (default: round robin for every role). ``prefill``,
         ``decode``, ``encoder``: the static members (more join through :meth:`discover` and
-        :meth:`apply`). ``leave_timeout_s``: how long a leaving instance's requests get."""
+        :meth:`apply`). ``leave_timeout_s``: how long a leaving instance's requests get.
+        ``stage_timeout_s``: the deadline of one Prefill or Encode RPC (a frozen instance must not
+        hold a request forever)."""
         policies = policies or {}
         self.decode_idle_timeout_s = decode_idle_timeout_s
         self.max_migrations = max_migrations
         self.leave_timeout_s = leave_timeout_s
+        self.stage_timeout_s = stage_timeout_s
 
         def pool(role: str, stub_class) -> InstancePool:
             return InstancePool(role, (), stub_class, policies.get(role) or make_policy("round_robin"),
@@ -289,10 +293,10 @@ class ClusterBackend:
             instance = placement.instance
             try:
                 with self.prefills.using(instance):
-                    reply = await instance.stub.Prefill(message)
+                    reply = await instance.stub.Prefill(message, timeout=self.stage_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 error = error_from_rpc(exc)
-                if error.retryable:
+                if error.retryable or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     self.prefills.failed(instance)
                 raise error from exc
             finally:
@@ -344,10 +348,10 @@ class ClusterBackend:
             instance = self.encoders.pick(view, arrival=not failed, avoid=failed)
             try:
                 with self.encoders.using(instance):
-                    reply = await instance.stub.Encode(message)
+                    reply = await instance.stub.Encode(message, timeout=self.stage_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 error = error_from_rpc(exc)
-                if error.retryable:
+                if error.retryable or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     self.encoders.failed(instance)
                     failed.append(instance.address)
                 raise error from exc

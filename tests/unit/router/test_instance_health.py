@@ -137,3 +137,38 @@ def test_the_router_learns_the_model_from_whichever_instance_answers():
             await server.stop(None)
 
     asyncio.run(main())
+
+
+def test_a_frozen_prefill_fails_its_request_at_the_stage_deadline_and_counts_a_failure():
+    """A prefill instance that never answers (frozen) must not hold a request forever."""
+    from services.common.errors import DeadlineExceededError
+    from services.common.sampling_params import SamplingParams
+    from services.pb import prefill_pb2_grpc
+    from services.router.cluster.backend import GenerateRequest
+
+    class Frozen(prefill_pb2_grpc.PrefillServicer):
+        async def Prefill(self, request, context):
+            await asyncio.sleep(30)
+
+    async def main():
+        server = grpc.aio.server()
+        prefill_pb2_grpc.add_PrefillServicer_to_server(Frozen(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        backend = ClusterBackend((f"127.0.0.1:{port}",), ("10.0.0.3:1",), stage_timeout_s=0.3)
+        try:
+            started = time.monotonic()
+            chunks = backend.generate(GenerateRequest("cmpl-1", (1, 2, 3), SamplingParams(max_tokens=4)))
+            try:
+                await chunks.__anext__()
+                raise AssertionError("a frozen prefill answered")
+            except DeadlineExceededError:
+                pass
+            assert time.monotonic() - started < 5
+            prefill = backend.prefills.instances[0]
+            assert (prefill.num_failures, prefill.num_in_flight) == (1, 0)
+        finally:
+            await backend.close()
+            await server.stop(None)
+
+    asyncio.run(main())
