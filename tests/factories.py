@@ -85,3 +85,24 @@ class KVWriter:
 
     def handle(self, blocks: range) -> KVHandle:
         return self.transfer.export(self.region.region_id, [(i * BLOCK, BLOCK) for i in blocks], "put")
+
+
+def random_paged_step(rng, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, num_layers: int,
+                      chunks: list[tuple[int, int]]):
+    """(kv pool, q, k, v, block tables) for ``chunks`` of (start, num_new_tokens): a pool
+    ``[blocks, layers, 2, block_size, kv_heads, head_dim]`` with shuffled block tables, every
+    tensor drawn from a generator seeded by ``rng`` (a random.Random)."""
+    need = [-(-(start + n) // block_size) for start, n in chunks]
+    ids = list(range(1, sum(need) + 4))
+    rng.shuffle(ids)
+    tables, at = [], 0
+    for k in need:
+        tables.append(ids[at:at + k])
+        at += k
+    gen = torch.Generator().manual_seed(rng.randint(0, 1 << 30))
+    kv = torch.randn(max(ids) + 1, num_layers, 2, block_size, num_kv_heads, head_dim, generator=gen)
+    total = sum(n for _, n in chunks)
+    q = torch.randn(total, num_heads, head_dim, generator=gen)
+    k = torch.randn(total, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(total, num_kv_heads, head_dim, generator=gen)
+    return kv, q, k, v, tables

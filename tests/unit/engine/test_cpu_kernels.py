@@ -12,24 +12,15 @@ from services.engine import LLM, SamplingParams
 from services.engine.attention import build_metadata, paged_attention, store_kv
 from services.engine.kernels import cpu
 from services.engine.models.llama import rotate_half
+from tests.factories import random_paged_step
 
 pytestmark = pytest.mark.skipif(cpu._compiler() is None, reason="no C compiler: the torch path is used, tested elsewhere")
 
 
 def _random_step(rng: random.Random, num_heads: int, num_kv_heads: int, head_dim: int,
                  block_size: int, num_layers: int, chunks: list[tuple[int, int]]):
-    """A pool with shuffled block tables and q/k/v for ``chunks`` of (start, num_new_tokens)."""
-    need = [-(-(start + n) // block_size) for start, n in chunks]
-    ids = list(range(1, sum(need) + 4))
-    rng.shuffle(ids)
-    tables, at = [], 0
-    for k in need:
-        tables.append(ids[at:at + k])
-        at += k
-    kv = torch.randn(max(ids) + 1, num_layers, 2, block_size, num_kv_heads, head_dim)
-    total = sum(n for _, n in chunks)
-    q = torch.randn(total, num_heads, head_dim)
-    k, v = torch.randn(total, num_kv_heads, head_dim), torch.randn(total, num_kv_heads, head_dim)
+    """A random pool and q/k/v for ``chunks``, with the step as (start, num_new_tokens, table)."""
+    kv, q, k, v, tables = random_paged_step(rng, num_heads, num_kv_heads, head_dim, block_size, num_layers, chunks)
     return kv, q, k, v, [(start, n, t) for (start, n), t in zip(chunks, tables)]
 
 

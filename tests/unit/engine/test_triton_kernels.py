@@ -22,28 +22,10 @@ from services.engine.kernels import cpu  # noqa: E402
 from services.engine.kernels import select as kernel_select  # noqa: E402
 from services.engine.kernels import triton_attention, triton_rope  # noqa: E402
 from services.engine.models.llama import rotate_half  # noqa: E402
+from tests.factories import random_paged_step  # noqa: E402
 
 TOLERANCE = 1e-5
 CPU = torch.device("cpu")
-
-
-def _pool(rng: random.Random, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-          num_layers: int, chunks: list[tuple[int, int]]):
-    """A pool with shuffled block tables, and q/k/v for ``chunks`` of (start, num_new_tokens)."""
-    need = [-(-(start + n) // block_size) for start, n in chunks]
-    ids = list(range(1, sum(need) + 4))
-    rng.shuffle(ids)
-    tables, at = [], 0
-    for k in need:
-        tables.append(ids[at:at + k])
-        at += k
-    gen = torch.Generator().manual_seed(rng.randint(0, 1 << 30))
-    kv = torch.randn(max(ids) + 1, num_layers, 2, block_size, num_kv_heads, head_dim, generator=gen)
-    total = sum(n for _, n in chunks)
-    q = torch.randn(total, num_heads, head_dim, generator=gen)
-    k = torch.randn(total, num_kv_heads, head_dim, generator=gen)
-    v = torch.randn(total, num_kv_heads, head_dim, generator=gen)
-    return kv, q, k, v, tables
 
 
 def _reference(q: torch.Tensor, kv: torch.Tensor, layer: int, chunks: list[tuple[int, int]],
@@ -82,7 +64,7 @@ def test_decode_matches_the_reference(heads, kv_heads, head_dim, block_size):
     # blocks: several sequences of different lengths in one call.
     lengths = [1, block_size, block_size + 1, 31, 2 * block_size, 17]
     chunks = [(n - 1, 1) for n in lengths]
-    kv, q, _, _, tables = _pool(rng, heads, kv_heads, head_dim, block_size, 2, chunks)
+    kv, q, _, _, tables = random_paged_step(rng, heads, kv_heads, head_dim, block_size, 2, chunks)
     # Built by hand: build_metadata makes a one-token context a fresh prompt, not a decode.
     width = max(map(len, tables))
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
@@ -98,7 +80,7 @@ def test_prefill_matches_the_reference(heads, kv_heads, head_dim, block_size):
     # An empty context (a fresh chunk), a continued chunk starting on a block edge, one starting
     # mid-block, chunks ending on an edge or not, one longer than a tile of rows, one token.
     chunks = [(0, 7), (block_size, block_size), (5, 12), (17, 31), (2 * block_size, 70), (31, 1)]
-    kv, q, k, v, tables = _pool(rng, heads, kv_heads, head_dim, block_size, 2, chunks)
+    kv, q, k, v, tables = random_paged_step(rng, heads, kv_heads, head_dim, block_size, 2, chunks)
     step = [(s, n, t) for (s, n), t in zip(chunks, tables)]
     store_kv(k, v, kv, 0, build_metadata(step, block_size, 2, CPU))
     firsts = [sum(n for _, n in chunks[:i]) for i in range(len(chunks))]
@@ -116,7 +98,7 @@ def test_attention_with_the_kernels_matches_the_torch_path(heads, kv_heads, head
     rng = random.Random(11)
     # Decodes, fresh prompts (SDPA in both) and continued chunks, interleaved in one step.
     chunks = [(0, 1), (block_size - 1, 1), (0, 9), (block_size, 1), (block_size + 3, 20), (30, 1), (8, 8)]
-    kv, q, k, v, tables = _pool(rng, heads, kv_heads, head_dim, block_size, 3, chunks)
+    kv, q, k, v, tables = random_paged_step(rng, heads, kv_heads, head_dim, block_size, 3, chunks)
     step = [(s, n, t) for (s, n), t in zip(chunks, tables)]
     scale = head_dim ** -0.5
     torch_meta = build_metadata(step, block_size, 3, CPU)
@@ -134,7 +116,7 @@ def test_attention_with_the_kernels_matches_the_torch_path(heads, kv_heads, head
 def test_rope_store_matches_the_torch_lines(heads, kv_heads, head_dim, block_size):
     rng = random.Random(head_dim)
     chunks = [(0, 9), (37, 1), (5, 20)]
-    kv, _, _, _, tables = _pool(rng, heads, kv_heads, head_dim, block_size, 3, chunks)
+    kv, _, _, _, tables = random_paged_step(rng, heads, kv_heads, head_dim, block_size, 3, chunks)
     num_tokens = sum(n for _, n in chunks)
     qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim) * 3
     positions = torch.cat([torch.arange(s, s + n) for s, n in chunks])
