@@ -33,6 +33,12 @@ Figures (the last line, JSON):
   backend speaks only gRPC; for sglang, wrk against the instant OpenAI server (``direct_http_*``).
   So "added" is one extra hop plus everything the router does, for both. A difference of
   percentiles, not a percentile of differences;
+- ``grpc_client_floor_rps``: the floor under any router written like epd's: one Python process
+  (grpc.aio) making only the router's two gRPC calls per request, 64 loops at once, with no HTTP,
+  tokenizer or policy work; ``grpc_client_floor_cores`` the CPU it used (all its threads);
+  ``grpc_client_floor_vs_sglang_router`` and ``epd_vs_grpc_client_floor`` place epd between the
+  two. When the floor itself is under half of sglang-router's rate, the rps goal cannot be met
+  by any router that makes these calls through Python's grpc.aio;
 - per concurrency C and router R: ``R_cC_rps``, ``R_cC_ms_p50``, ``R_cC_ms_p99``,
   ``R_cC_router_cores``, ``R_cC_backend_cores``, ``R_cC_errors``.
 
@@ -70,6 +76,8 @@ from services.launcher import free_port  # noqa: E402
 from services.pb import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc  # noqa: E402
 
 CONCURRENCIES = (1, 64, 256)
+FLOOR_CONCURRENCY = 64
+"""Loops of the gRPC client floor (the rate is flat from ~32 loops up on two cores)."""
 HOST = "127.0.0.1"
 MAX_TOKENS = 16
 BODY = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Say hello in a few words."}],
@@ -211,28 +219,41 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 
 async def direct_grpc(prefill: str, decode: str, num_prompt_tokens: int, warmup_s: float,
-                      duration_s: float) -> Point:
-    """The router's two calls made straight to the instant backends, one request at a time."""
+                      duration_s: float, concurrency: int = 1) -> Point:
+    """The router's two calls made straight to the instant backends by ``concurrency`` loops.
+
+    At concurrency 1 its percentiles are the baseline of "added" latency; at higher
+    concurrency its rate is the floor's: what one Python process sustains making only the
+    router's two gRPC calls per request (no HTTP, no tokenizer, no policy), and ``router_cores``
+    the CPU it spent doing so (this process, every thread)."""
     spec = RequestSpec("direct", tuple(range(1000, 1000 + num_prompt_tokens)), SamplingParams(max_tokens=MAX_TOKENS))
     async with grpc.aio.insecure_channel(prefill, options=CHANNEL_OPTIONS) as p_channel, \
             grpc.aio.insecure_channel(decode, options=CHANNEL_OPTIONS) as d_channel:
         prefill_stub, decode_stub = prefill_pb2_grpc.PrefillStub(p_channel), decode_pb2_grpc.DecodeStub(d_channel)
-
-        async def one() -> None:
-            first = await prefill_stub.Prefill(prefill_pb2.PrefillRequest(spec=spec_to_proto(spec)))
-            call = decode_stub.Generate(decode_request_to_proto(
-                DecodeRequest(spec, (first.first_token_id,), None, 0, prefill)))
-            while (chunk := await call.read()) is not grpc.aio.EOF and not chunk.finish_reason:
-                pass
-
         latencies: list[float] = []
         start = time.perf_counter()
-        while (now := time.perf_counter()) - start < warmup_s + duration_s:
-            await one()
-            if now - start >= warmup_s:
-                latencies.append(time.perf_counter() - now)
+        measured_from = start + warmup_s
+        end = measured_from + duration_s
+
+        async def loop() -> None:
+            while (now := time.perf_counter()) < end:
+                first = await prefill_stub.Prefill(prefill_pb2.PrefillRequest(spec=spec_to_proto(spec)))
+                call = decode_stub.Generate(decode_request_to_proto(
+                    DecodeRequest(spec, (first.first_token_id,), None, 0, prefill)))
+                while (chunk := await call.read()) is not grpc.aio.EOF and not chunk.finish_reason:
+                    pass
+                if now >= measured_from:
+                    latencies.append(time.perf_counter() - now)
+
+        await asyncio.sleep(0)
+        tasks = [asyncio.create_task(loop()) for _ in range(concurrency)]
+        await asyncio.sleep(max(0.0, measured_from - time.perf_counter()))
+        cpu = time.process_time()
+        await asyncio.gather(*tasks)
+        cores = (time.process_time() - cpu) / max(1e-9, time.perf_counter() - measured_from)
     latencies.sort()
-    return Point(len(latencies) / duration_s, percentile(latencies, 0.5) * 1e3, percentile(latencies, 0.99) * 1e3, 0)
+    return Point(len(latencies) / duration_s, percentile(latencies, 0.5) * 1e3, percentile(latencies, 0.99) * 1e3, 0,
+                 router_cores=cores)
 
 
 # ---------------------------------------------------------------- the run
@@ -271,6 +292,10 @@ def run(args: argparse.Namespace, workdir: Path, procs: list[Proc]) -> dict:
     grpc_direct = asyncio.run(direct_grpc(up["grpc_at"]["prefill"], up["grpc_at"]["decode"], up["num_prompt"],
                                           warm, dur))
     http_direct = measure(up["http_at"]["url"], script, 1, warm, dur)
+    floor = asyncio.run(direct_grpc(up["grpc_at"]["prefill"], up["grpc_at"]["decode"], up["num_prompt"],
+                                    warm, dur, concurrency=FLOOR_CONCURRENCY))
+    log(f"floor: a Python grpc.aio client alone making the router's two calls, {FLOOR_CONCURRENCY} loops: "
+        f"{floor.rps:.0f} req/s on {floor.router_cores:.2f} cores")
     log(f"direct, concurrency 1: gRPC prefill+decode p50 {grpc_direct.ms_p50:.3f} ms p99 {grpc_direct.ms_p99:.3f} ms;"
         f" HTTP instant server p50 {http_direct.ms_p50:.3f} ms p99 {http_direct.ms_p99:.3f} ms")
     points: dict[tuple[str, int], Point] = {}
@@ -284,10 +309,10 @@ def run(args: argparse.Namespace, workdir: Path, procs: list[Proc]) -> dict:
                 f"{point.backend_cores:.2f} cores  errors {point.errors}")
             if point.backend_cores > 0.9:
                 log(f"warning: the {name} backend used {point.backend_cores:.2f} cores: it may be the bottleneck")
-    return figures(points, grpc_direct, http_direct, args)
+    return figures(points, grpc_direct, http_direct, floor, args)
 
 
-def figures(points: dict[tuple[str, int], Point], grpc_direct: Point, http_direct: Point,
+def figures(points: dict[tuple[str, int], Point], grpc_direct: Point, http_direct: Point, floor: Point,
             args: argparse.Namespace) -> dict:
     epd_rps = max(points["epd", c].rps for c in CONCURRENCIES)
     sglang_rps = max(points["sglang", c].rps for c in CONCURRENCIES)
@@ -301,6 +326,9 @@ def figures(points: dict[tuple[str, int], Point], grpc_direct: Point, http_direc
         "sglang_added_ms_p99": round(sglang_1.ms_p99 - http_direct.ms_p99, 3),
         "direct_grpc_ms_p50": round(grpc_direct.ms_p50, 3), "direct_grpc_ms_p99": round(grpc_direct.ms_p99, 3),
         "direct_http_ms_p50": round(http_direct.ms_p50, 3), "direct_http_ms_p99": round(http_direct.ms_p99, 3),
+        "grpc_client_floor_rps": round(floor.rps, 1), "grpc_client_floor_cores": round(floor.router_cores, 2),
+        "grpc_client_floor_vs_sglang_router": round(floor.rps / sglang_rps, 4),
+        "epd_vs_grpc_client_floor": round(epd_rps / floor.rps, 4),
     }
     for (name, c), p in points.items():
         result.update({f"{name}_c{c}_rps": round(p.rps, 1), f"{name}_c{c}_ms_p50": round(p.ms_p50, 3),

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-HEADLINE = ("epd_rps", "sglang_router_rps", "rps_vs_sglang_router", "epd_added_ms_p50", "epd_added_ms_p99")
+HEADLINE = ("epd_rps", "sglang_router_rps", "rps_vs_sglang_router", "epd_added_ms_p50", "epd_added_ms_p99",
+            "grpc_client_floor_rps", "grpc_client_floor_cores")
 
 
 def test_the_quick_run_ends_with_one_json_line_of_positive_figures():
