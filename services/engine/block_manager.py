@@ -124,6 +124,12 @@ class BlockManager:
             self._release(block_id)
         seq.block_table = []
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past what ``seq``'s tokens need (the slots of rejected drafts)."""
+        num_needed = self.num_blocks_for(len(seq))
+        while len(seq.block_table) > num_needed:
+            self._release(seq.block_table.pop())
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register every full, computed block of ``seq`` in the prefix cache."""
         if not self.enable_prefix_caching:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import check
+from services.common.errors import InvalidRequestError
+from services.engine.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,10 @@ class EngineConfig:
     """"cpu", "cuda" or "auto" (CUDA when present)."""
     dtype: str = "auto"
     """"float32", "bfloat16", "float16" or "auto" (fp32 on CPU, bf16 on CUDA)."""
+    speculative_config: str = ""
+    """Speculative decoding as JSON, vLLM's fields: ``{"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``; '' is off.
+    Greedy and seeded outputs are the same with and without it (speculative.py)."""
 
     def __post_init__(self) -> None:
         check(self.block_size > 0, "block_size", "must be > 0")
@@ -45,3 +51,11 @@ class EngineConfig:
               "must be auto, cpu or cuda[:N]")
         check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
               "must be auto, float32, bfloat16 or float16")
+        try:
+            SpeculativeConfig.parse(self.speculative_config)
+        except InvalidRequestError as exc:
+            check(False, "speculative_config", str(exc))
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)

@@ -34,6 +34,10 @@ from services.engine.sequence import (BlockId, FinishReason, MultiModalInput, Re
                                       SequenceStatus)
 
 logger = logging.getLogger(__name__)
+SPEC_DRAFT_TOKENS = metrics.counter("epd_spec_decode_draft_tokens_total",
+                                    "Draft tokens verified by speculative decoding.")
+SPEC_ACCEPTED_TOKENS = metrics.counter("epd_spec_decode_accepted_tokens_total",
+                                       "Draft tokens speculative decoding verified and kept.")
 QUEUE_TIME = metrics.histogram("epd_engine_queue_time_seconds", "From a request's arrival in the engine to its "
                                "first scheduled step.", buckets=metrics.TTFT_BUCKETS_S)
 
@@ -74,7 +78,11 @@ class LLMEngine:
         self.root = root_hash(**self._root_keys)
         self.block_manager = BlockManager(num_blocks, bs, self.root, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, eos, config.step_time_budget_s)
+                                   self.max_model_len, eos, config.step_time_budget_s,
+                                   speculative=config.speculative)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        """Speculative decoding's drafts verified and kept, in total (acceptance = their ratio)."""
         self._online_cost = OnlineCost()
         self.kv_block_bytes = kv_block_bytes(cfg, bs, dtype)
         kv_buffer = kv_allocator(num_blocks * self.kv_block_bytes) if kv_allocator else None
@@ -232,21 +240,43 @@ class LLMEngine:
         seqs = {c.request_id: self._states[c.request_id].seq for c in out.chunks
                 if c.request_id in self._states}
         updated = self.scheduler.postprocess(out, result.sampled, seqs)
+        self._count_drafts()
         outputs: list[RequestOutput] = []
-        for seq in updated:
+        for seq, num_new in updated:
             state = self._states[seq.request_id]
-            # The EOS or stop token that ended a request is kept in token_ids but not in the text.
-            is_stop_token = seq.is_finished and seq.finish_reason is FinishReason.STOP
-            stop = state.add_token(seq.token_ids[-1], result.logprobs.get(seq.request_id),
-                                   has_text=not is_stop_token)
-            if stop is not None:
-                self.scheduler.finish(seq, FinishReason.STOP, stop_reason=stop)
+            self._add_tokens(seq, state, num_new, result.logprobs.get(seq.request_id) or [None] * num_new)
             if seq.is_finished:
                 state.finish()
                 del self._states[seq.request_id]
             outputs.append(state.to_output())
         self._flush_finished()
         return outputs
+
+    def _add_tokens(self, seq: Sequence, state: OutputState, num_new: int, logprobs: list) -> None:
+        """The step's last ``num_new`` tokens into the output, one at a time: a stop string
+        ends the request at its token, and the tokens after it (verified drafts) are dropped."""
+        first = len(seq.token_ids) - num_new
+        for i in range(num_new):
+            is_last = i == num_new - 1
+            # The EOS or stop token that ended a request is kept in token_ids but not in the text.
+            is_stop_token = is_last and seq.is_finished and seq.finish_reason is FinishReason.STOP
+            stop = state.add_token(seq.token_ids[first + i], logprobs[i], has_text=not is_stop_token)
+            if stop is not None:
+                del seq.token_ids[first + i + 1:]
+                if seq.is_finished:  # by a later token of the same step (EOS), already released
+                    seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
+                else:
+                    self.scheduler.finish(seq, FinishReason.STOP, stop_reason=stop)
+                return
+
+    def _count_drafts(self) -> None:
+        sched = self.scheduler
+        if sched.num_draft_tokens:
+            SPEC_DRAFT_TOKENS.inc(sched.num_draft_tokens)
+            SPEC_ACCEPTED_TOKENS.inc(sched.num_accepted_tokens)
+            self.num_draft_tokens += sched.num_draft_tokens
+            self.num_accepted_tokens += sched.num_accepted_tokens
+            sched.num_draft_tokens = sched.num_accepted_tokens = 0
 
     def _flush_finished(self) -> None:
         """With nothing left to run no step follows: hand the runner the finished requests now,

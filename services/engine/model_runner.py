@@ -27,8 +27,10 @@ from services.engine.sequence import BlockId, RequestId
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[RequestId, int]
-    logprobs: dict[RequestId, TokenLogprobs | None]
+    sampled: dict[RequestId, list[int]]
+    """Each sampling chunk's new tokens: one, or the verified drafts and the token after them."""
+    logprobs: dict[RequestId, list[TokenLogprobs | None]]
+    """Aligned with ``sampled``; None entries for requests that asked for no logprobs."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -112,29 +114,57 @@ class ModelRunner:
             return ModelRunnerOutput({}, {})
         hidden, meta = self._forward([(c.start_position, c.token_ids, c.block_table) for c in out.chunks],
                                      [c.mm_embeds for c in out.chunks])
-        last_rows, rows, ids, constrained = [], [], [], []
+        sample_rows, rows, ids, constrained, verifying = [], [], [], [], []
         end = 0
         for chunk in out.chunks:
             end += len(chunk.token_ids)
-            if chunk.samples:
-                last_rows.append(end - 1)
-                is_grammar_done = False
-                if chunk.grammar is not None:
-                    matcher = self.grammars.matcher(chunk.request_id, chunk.grammar, chunk.output_token_ids)
-                    constrained.append((len(rows), matcher))
-                    is_grammar_done = matcher.is_stopped()
-                rows.append(self._sampling_row(chunk, is_grammar_done))
+            if not chunk.samples:
+                continue
+            drafts = chunk.draft_token_ids
+            is_grammar_done = False
+            if chunk.grammar is not None:  # never drafted for (scheduler.py)
+                matcher = self.grammars.matcher(chunk.request_id, chunk.grammar, chunk.output_token_ids)
+                constrained.append((len(rows), matcher))
+                is_grammar_done = matcher.is_stopped()
+            # A chunk with k drafts samples at its last k + 1 positions, each as a plain step
+            # would after the drafts before it (speculative.py).
+            for j in range(len(drafts) + 1):
+                sample_rows.append(end - 1 - len(drafts) + j)
+                rows.append(self._sampling_row(chunk, is_grammar_done, drafts[:j]))
                 ids.append(chunk.request_id)
+            verifying.append((chunk.request_id, drafts, rows[-1].generator))
         if not rows:
             return ModelRunnerOutput({}, {})
         # On a GPU the forward is still running: the masks are computed meanwhile.
         bitmask = self.grammars.bitmask(constrained)
-        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)],
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)],
                                            meta.decode_only)
+        rewind = {rid: g.get_state() for rid, drafts, g in verifying if drafts and g is not None}
         result = self.sampler(logits, rows, bitmask)
         if constrained:
             self.grammars.accept(ids, result.token_ids)
-        return ModelRunnerOutput(dict(zip(ids, result.token_ids)), dict(zip(ids, result.logprobs)))
+        return self._verify(verifying, result.token_ids, result.logprobs, rewind)
+
+    @staticmethod
+    def _verify(verifying, token_ids: list[int], logprobs: list, rewind: dict) -> ModelRunnerOutput:
+        """Each chunk's kept tokens: the sampled ones up to the first that differs from its draft.
+
+        A seeded generator drew one uniform per sampled position; it is rewound and drawn again
+        once per kept token, so the next step draws what a plain step after them would."""
+        sampled, kept_logprobs = {}, {}
+        at = 0
+        for request_id, drafts, generator in verifying:
+            num_kept = 1
+            while num_kept <= len(drafts) and token_ids[at + num_kept - 1] == drafts[num_kept - 1]:
+                num_kept += 1
+            sampled[request_id] = token_ids[at:at + num_kept]
+            kept_logprobs[request_id] = logprobs[at:at + num_kept]
+            if request_id in rewind:
+                generator.set_state(rewind[request_id])
+                for _ in range(num_kept):
+                    torch.rand(1, generator=generator, device=generator.device)
+            at += len(drafts) + 1
+        return ModelRunnerOutput(sampled, kept_logprobs)
 
     def _forward(self, chunks: list[tuple[int, list[int], list[BlockId]]],
                  mm_embeds: list[list[tuple[int, torch.Tensor]]] | None = None
@@ -163,7 +193,8 @@ class ModelRunner:
             self._gather_buffer = self.kv_cache.new_empty((2, size) + tuple(self.kv_cache.shape[3:]))
         return self._gather_buffer
 
-    def _sampling_row(self, chunk, is_grammar_done: bool = False) -> SamplingRow:
+    def _sampling_row(self, chunk, is_grammar_done: bool = False, drafts: tuple[int, ...] = ()) -> SamplingRow:
+        """``drafts``: draft tokens before this position, sampled as if already output."""
         params = chunk.params
         generator = None
         if params.seed is not None and not params.is_greedy:
@@ -175,11 +206,12 @@ class ModelRunner:
                 for _ in chunk.output_token_ids:
                     torch.rand(1, generator=generator, device=generator.device)
                 self._generators[chunk.request_id] = generator
+        output = [*chunk.output_token_ids, *drafts] if drafts else chunk.output_token_ids
         suppressed: tuple[int, ...] = ()
         # A complete grammar allows only EOS: it wins over min_tokens (nothing else could be sampled).
-        if len(chunk.output_token_ids) < params.min_tokens and not is_grammar_done:
+        if len(output) < params.min_tokens and not is_grammar_done:
             suppressed = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
-        return SamplingRow(params, chunk.prompt_token_ids, chunk.output_token_ids, generator, suppressed)
+        return SamplingRow(params, chunk.prompt_token_ids, output, generator, suppressed)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], block_table: list[BlockId], chunk_size: int | None = None) -> torch.Tensor:

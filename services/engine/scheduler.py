@@ -19,6 +19,11 @@ taken first, then each prefill chunk gets the most tokens the seconds left buy a
 (``tokens_within``), still capped by the token budget and its remaining tokens. A running
 sequence always gets at least one token, so nothing starves; a waiting one is admitted only
 while seconds are left (or when the step would otherwise be empty).
+
+With a drafter (speculative.py) a decoding sequence's chunk also carries draft tokens when the
+drafter has some, blocks are free for them and the token budget has room; postprocess keeps the
+tokens the runner verified, counts only their KV as computed and gives back the blocks of the
+rest (a sequence never runs short because of drafts: without room it decodes plainly).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from services.common.cost_model import PrefillCost
 from services.common.sampling_params import SamplingParams
 from services.engine.block_manager import BlockManager
 from services.engine.sequence import BlockId, FinishReason, RequestId, Sequence, SequenceStatus
+from services.engine.speculative import DRAFTERS, DraftState, SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,8 @@ class ScheduledChunk:
     """(offset in token_ids, embedding rows) that replace those tokens' input embeddings."""
     grammar: Any = None
     """The sequence's compiled structured-output grammar, if any (see Sequence.grammar)."""
+    draft_token_ids: tuple[int, ...] = ()
+    """The last len(draft_token_ids) of token_ids are drafts for the runner to verify."""
 
 
 @dataclass(frozen=True)
@@ -147,8 +155,10 @@ class StepBudget:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...] = (), step_time_budget_s: float = 0.0,
-                 cost: PrefillCost | None = None) -> None:
+                 cost: PrefillCost | None = None, speculative: SpeculativeConfig | None = None) -> None:
         self.block_manager = block_manager
+        self.speculative = speculative
+        self._drafter = DRAFTERS[speculative.method]() if speculative is not None else None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -165,6 +175,9 @@ class Scheduler:
         self._finished_ids: list[RequestId] = []
         self.num_preemptions = 0
         """Total preemptions so far (a load signal, and what tests assert on)."""
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        """Drafts verified and drafts kept, in total (the acceptance metrics)."""
 
     def add(self, seq: Sequence) -> None:
         assert len(seq) < self.max_model_len, "the engine validates prompt length"
@@ -184,6 +197,12 @@ class Scheduler:
         while i < len(self.running) and budget.num_tokens > 0:
             seq = self.running[i]
             is_decode = seq.num_uncomputed_tokens == 1
+            drafts = self._drafts(seq, budget.num_tokens - 1) if is_decode else []
+            if drafts:
+                budget.take(1 + len(drafts), seq.num_computed_tokens, is_priced=False)
+                chunks.append(self._chunk(seq, 1, drafts))
+                i += 1
+                continue
             num_new = budget.num_fitting(seq.num_uncomputed_tokens, seq.num_computed_tokens)
             while self.block_manager.allocate_slots(seq, num_new) is None:
                 self._preempt(self.running.pop())
@@ -232,11 +251,28 @@ class Scheduler:
             chunks.append(self._chunk(seq, num_new))
             budget.take(num_new, num_hit_tokens)
 
-    def _chunk(self, seq: Sequence, num_new: int) -> ScheduledChunk:
+    def _drafts(self, seq: Sequence, max_tokens: int) -> list[int]:
+        """Draft tokens for a decoding sequence, with its blocks allocated for 1 + drafts; []
+        (nothing allocated) when it has none or there is no room for them."""
+        if self._drafter is None or seq.grammar is not None:
+            return []
+        if seq.draft is None:
+            seq.draft = DraftState(self.speculative)
+        params = seq.params
+        # Drafts past max_tokens or the context would be verified for nothing.
+        max_tokens = min(max_tokens, params.max_tokens - seq.num_output_tokens - 1,
+                         self.max_model_len - len(seq) - 1)
+        drafts = self._drafter.propose(seq.token_ids, seq.draft, max_tokens) if max_tokens > 0 else []
+        if not drafts or self.block_manager.allocate_slots(seq, 1 + len(drafts)) is None:
+            return []
+        return drafts
+
+    def _chunk(self, seq: Sequence, num_new: int, drafts: list[int] = ()) -> ScheduledChunk:
         start = seq.num_computed_tokens
         return ScheduledChunk(
+            draft_token_ids=tuple(drafts),
             request_id=seq.request_id,
-            token_ids=seq.token_ids[start:start + num_new],
+            token_ids=seq.token_ids[start:start + num_new] + list(drafts),
             start_position=start,
             block_table=list(seq.block_table),
             samples=start + num_new == len(seq),
@@ -256,24 +292,47 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ----- postprocess -------------------------------------------------------------------
-    def postprocess(self, output: SchedulerOutput, sampled: dict[RequestId, int],
-                    seqs: dict[RequestId, Sequence]) -> list[Sequence]:
-        """Apply a step's results; returns the sequences that got a new token."""
-        updated: list[Sequence] = []
+    def postprocess(self, output: SchedulerOutput, sampled: dict[RequestId, list[int]],
+                    seqs: dict[RequestId, Sequence]) -> list[tuple[Sequence, int]]:
+        """Apply a step's results: ``sampled`` holds each sampling chunk's new tokens (one, or
+        the verified drafts and the token after them). Returns each sequence that got tokens,
+        with how many it kept (fewer than sampled when a stop condition came first)."""
+        updated: list[tuple[Sequence, int]] = []
         for chunk in output.chunks:
             seq = seqs[chunk.request_id]
             if seq.is_finished:  # aborted while the step ran
                 continue
-            seq.num_computed_tokens += len(chunk.token_ids)
+            num_drafts = len(chunk.draft_token_ids)
+            seq.num_computed_tokens += len(chunk.token_ids) - num_drafts
             if chunk.samples:
-                token_id = sampled[chunk.request_id]
-                seq.token_ids.append(token_id)
-                self._check_stop(seq, token_id)
-                updated.append(seq)
+                token_ids = sampled[chunk.request_id]
+                self._observe_drafts(seq, num_drafts, len(token_ids) - 1)
+                num_kept = self._append(seq, token_ids)
+                # KV exists for the inputs of the kept tokens: the drafts among them were inputs.
+                seq.num_computed_tokens = min(seq.num_computed_tokens + len(token_ids) - 1, len(seq) - 1)
+                updated.append((seq, num_kept))
+            if num_drafts:
+                self.block_manager.trim(seq)
             self.block_manager.cache_full_blocks(seq)
             if seq.is_finished:
                 self._release(seq)
         return updated
+
+    def _append(self, seq: Sequence, token_ids: list[int]) -> int:
+        """Append tokens up to the first that finishes the sequence; how many were appended."""
+        for n, token_id in enumerate(token_ids, 1):
+            seq.token_ids.append(token_id)
+            self._check_stop(seq, token_id)
+            if seq.is_finished:
+                return n
+        return len(token_ids)
+
+    def _observe_drafts(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        if seq.draft is None:
+            return
+        seq.draft.length.observe(num_drafts, num_accepted)
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
 
     def _check_stop(self, seq: Sequence, token_id: int) -> None:
         params = seq.params

@@ -77,6 +77,8 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.num_preemptions = 0
+        self.draft: Any = None
+        """Speculative decoding's per-sequence state (speculative.DraftState), once it drafts."""
         self.grammar: Any = None
         """The compiled grammar of ``params.structured`` (opaque here: the runner's matchers use it)."""
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -43,7 +43,7 @@ def add(sched, rid, n, max_tokens=8):
 def step(sched, seqs):
     """One step with token 5 sampled; its chunks as (request id, start, number of tokens)."""
     out = sched.schedule()
-    sched.postprocess(out, {c.request_id: 5 for c in out.chunks if c.samples},
+    sched.postprocess(out, {c.request_id: [5] for c in out.chunks if c.samples},
                       {s.request_id: s for s in seqs})
     return [(c.request_id, c.start_position, len(c.token_ids)) for c in out.chunks]
 

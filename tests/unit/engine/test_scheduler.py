@@ -24,7 +24,7 @@ def add(sched, rid, n, **params):
 
 def run_step(sched, seqs, token=5):
     out = sched.schedule()
-    sampled = {c.request_id: token for c in out.chunks if c.samples}
+    sampled = {c.request_id: [token] for c in out.chunks if c.samples}
     sched.postprocess(out, sampled, {s.request_id: s for s in seqs})
     return out
 
@@ -67,7 +67,7 @@ def test_finish_on_eos_max_tokens_and_stop_token_frees_blocks():
     c = add(sched, "c", 4, max_tokens=10, stop_token_ids=[5])
     seqs = [a, b, c]
     out = sched.schedule()
-    sched.postprocess(out, {"a": 2, "b": 7, "c": 5}, {s.request_id: s for s in seqs})
+    sched.postprocess(out, {"a": [2], "b": [7], "c": [5]}, {s.request_id: s for s in seqs})
     assert [s.finish_reason.value for s in seqs] == ["stop", "length", "stop"]
     assert c.stop_reason == 5
     assert bm.num_free_blocks == bm.num_blocks
