@@ -95,11 +95,21 @@ class AttentionMetadata:
     workspace: torch.Tensor | None = None
     """[2, max_gather_blocks, B, kv_heads, head_dim] reused by every gather of the step: a
     fresh tensor per gather costs more in page faults than the copy itself on the CPU."""
+    batch_invariant: bool = False
+    """Every token through the kernels whose result for a token does not depend on the rest
+    of the batch or on how its prompt was chunked (see :func:`build_metadata`)."""
 
     @property
     def decode_only(self) -> bool:
         """Every token of the step is a single-token decode (no prompt tokens)."""
         return not self.spans and self.prefill_batch is None
+
+    @property
+    def packed_products(self) -> bool:
+        """Linear layers use the packed small-batch product (one sequential sum per output, so
+        a row's result does not depend on the other rows): decode-only steps, for speed; every
+        step in batch-invariant mode."""
+        return self.decode_only or self.batch_invariant
 
     @property
     def max_gather_blocks(self) -> int:
@@ -116,11 +126,15 @@ class AttentionMetadata:
 
 
 def build_metadata(chunks: list[tuple[int, int, list[int]]], block_size: int, num_layers: int,
-                   device: torch.device,
-                   kernels: CpuKernels | TritonKernels | None = None) -> AttentionMetadata:
+                   device: torch.device, kernels: CpuKernels | TritonKernels | None = None,
+                   batch_invariant: bool = False) -> AttentionMetadata:
     """``chunks``: (start_position, num_new_tokens, block_table) per sequence, in batch order.
     With ``kernels`` (the CPU's or the Triton ones), single-token decodes go to them as one
-    :class:`DecodeBatch` and continued chunks as one :class:`PrefillBatch`; fresh prompts stay spans."""
+    :class:`DecodeBatch` and continued chunks as one :class:`PrefillBatch`; fresh prompts stay spans.
+
+    ``batch_invariant`` (the CPU's kernels): every chunk, fresh prompts and single-token decodes
+    included, goes to the prefill kernel, which computes each query alone over its context's
+    keys in the same order however the prompt was chunked (keys past a query add exact zeros)."""
     stride = 2 * num_layers  # block rows per block
     slot_rows: list[int] = []
     spans: list[Span] = []
@@ -133,7 +147,9 @@ def build_metadata(chunks: list[tuple[int, int, list[int]]], block_size: int, nu
         slot_rows.extend(table[p // block_size] * stride * block_size + p % block_size
                          for p in range(start, start + n))
         num_ctx_blocks = -(-(start + n) // block_size)
-        if n == 1 and start > 0:
+        if batch_invariant:
+            continued.append((token_start, n, start, table[:num_ctx_blocks]))
+        elif n == 1 and start > 0:
             dec_index.append(token_start)
             dec_tables.append(table[:num_ctx_blocks])
             dec_lengths.append(start + 1)
@@ -160,7 +176,7 @@ def build_metadata(chunks: list[tuple[int, int, list[int]]], block_size: int, nu
         if continued:
             prefill_batch = PrefillBatch(long([c[:3] for c in continued]), padded([c[3] for c in continued]))
         return AttentionMetadata(num_layers, block_size, long(slot_rows), spans, [], kernels, decode_batch,
-                                 prefill_batch)
+                                 prefill_batch, batch_invariant=batch_invariant)
     spans += [_continued_span(token_start, n, start, blocks, block_size, stride, device)
               for token_start, n, start, blocks in continued]
     groups = []

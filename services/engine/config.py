@@ -34,6 +34,11 @@ class EngineConfig:
     """"cpu", "cuda" or "auto" (CUDA when present)."""
     dtype: str = "auto"
     """"float32", "bfloat16", "float16" or "auto" (fp32 on CPU, bf16 on CUDA)."""
+    batch_invariant: bool = False
+    """Every step's arithmetic for a request independent of the batch around it and of how its
+    prompt was chunked: the same request gives bit-identical logits alone or in any batch, on
+    any instance. Costs speed (benchmarks/engine_throughput.py); for debugging, evaluation and
+    RL rollouts that must replay exactly. Needs the CPU's fp32 kernels (not built for CUDA yet)."""
     speculative_config: str = ""
     """Speculative decoding as JSON, vLLM's fields: ``{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``; '' is off.

@@ -86,7 +86,8 @@ class LLMEngine:
         self._online_cost = OnlineCost()
         self.kv_block_bytes = kv_block_bytes(cfg, bs, dtype)
         kv_buffer = kv_allocator(num_blocks * self.kv_block_bytes) if kv_allocator else None
-        self.runner = ModelRunner(cfg, loaded.weights, num_blocks, bs, device, dtype, eos, kv_buffer)
+        self.runner = ModelRunner(cfg, loaded.weights, num_blocks, bs, device, dtype, eos, kv_buffer,
+                                  batch_invariant=config.batch_invariant)
         self.grammar_compiler = GrammarCompiler(self.tokenizer, cfg.vocab_size, eos) if self.tokenizer else None
         self._states: dict[RequestId, OutputState] = {}
         self.last_step_num_tokens = 0

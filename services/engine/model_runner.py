@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.config import check
 from services.engine.attention import AttentionMetadata, build_metadata
 from services.engine.grammar import GrammarMatchers
 from services.engine.kernels import select as kernel_select
@@ -70,7 +71,7 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], num_blocks: int,
                  block_size: int, device: torch.device, dtype: torch.dtype,
-                 eos_token_ids: tuple[int, ...] = (), kv_buffer=None) -> None:
+                 eos_token_ids: tuple[int, ...] = (), kv_buffer=None, batch_invariant: bool = False) -> None:
         self.cfg = cfg
         self.block_size = block_size
         self.device, self.dtype = device, dtype
@@ -101,6 +102,10 @@ class ModelRunner:
         self._kernels = kernel_select.kernels_for(self.attention_backend)
         if self.attention_backend == "cpu":
             self.model.pack_for_decode(self._kernels)
+        check(not batch_invariant or self.attention_backend == "cpu", "batch_invariant",
+              f"needs the CPU's fp32 kernels (device cpu, dtype float32, a C compiler); this engine "
+              f"runs {self.attention_backend} attention on {device}/{str(dtype).removeprefix('torch.')}")
+        self.batch_invariant = batch_invariant
         self.sampler = Sampler()
         self._generators: dict[RequestId, torch.Generator] = {}
         self.grammars = GrammarMatchers(cfg.vocab_size)
@@ -138,7 +143,7 @@ class ModelRunner:
         # On a GPU the forward is still running: the masks are computed meanwhile.
         bitmask = self.grammars.bitmask(constrained)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)],
-                                           meta.decode_only)
+                                           meta.packed_products)
         rewind = {rid: g.get_state() for rid, drafts, g in verifying if drafts and g is not None}
         result = self.sampler(logits, rows, bitmask)
         if constrained:
@@ -182,7 +187,7 @@ class ModelRunner:
                 row += len(toks)
         positions = torch.cat([torch.arange(s, s + len(toks)) for s, toks, _ in chunks]).to(self.device)
         meta = build_metadata([(s, len(toks), table) for s, toks, table in chunks], self.block_size,
-                              self.cfg.num_layers, self.device, self._kernels)
+                              self.cfg.num_layers, self.device, self._kernels, self.batch_invariant)
         meta.workspace = self._workspace(meta.max_gather_blocks)
         return self.model(input_ids, positions, self.kv_cache, meta, inputs_embeds), meta
 

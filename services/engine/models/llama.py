@@ -109,7 +109,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        packed = meta.decode_only
+        packed = meta.packed_products
         qkv = self.qkv_proj(x, packed)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -152,7 +152,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x), meta.decode_only)
+        return x + self.mlp(self.post_attention_layernorm(x), meta.packed_products)
 
 
 class LlamaForCausalLM(nn.Module):

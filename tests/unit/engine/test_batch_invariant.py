@@ -1,0 +1,61 @@
+"""Batch-invariant mode: a request's logits do not depend on the batch around it.
+
+The probe is a request's top-20 logprobs at every token (log_softmax of the raw logits: any
+change in any logit moves them all), compared with ``==``, not a tolerance. It runs alone and in
+batches of 7 and 32 mixed requests under a small token budget, so its prompt is chunked
+differently and its decode steps share the batch with prefill chunks of others.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.config import ConfigError
+from services.engine import LLM, SamplingParams
+from tests.factories import random_prompts
+
+PROBE = random_prompts(1, [150], seed=99)[0]
+OTHERS = random_prompts(31, [5 + 13 * i for i in range(31)], seed=4)
+
+
+def probe_logprobs(llm: LLM, num_others: int, params: SamplingParams) -> list:
+    outs = llm.generate(OTHERS[:num_others // 2] + [PROBE] + OTHERS[num_others // 2:num_others], params)
+    probe = outs[num_others // 2]
+    return [(lp.token_id, lp.logprob, lp.top) for lp in probe.logprobs]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=20),
+    SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True, logprobs=20),
+], ids=["greedy", "seeded"])
+def test_a_requests_logits_are_bit_identical_alone_and_in_batches_of_7_and_32(tiny_llama_dir, params):
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=1024, max_num_batched_tokens=64, batch_invariant=True)
+    alone = probe_logprobs(llm, 0, params)
+    assert probe_logprobs(llm, 6, params) == alone
+    assert probe_logprobs(llm, 31, params) == alone
+
+
+def test_without_the_mode_the_same_probe_differs(tiny_llama_dir):
+    """The control: the ordinary kernels do depend on the batch (else the test above proves nothing)."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=20)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=1024, max_num_batched_tokens=64)
+    alone = probe_logprobs(llm, 0, params)
+    assert probe_logprobs(llm, 31, params) != alone
+
+
+def test_speculative_verify_steps_keep_the_logits_too(tiny_llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=20)
+    plain = LLM(str(tiny_llama_dir), num_kv_blocks=1024, batch_invariant=True)
+    spec = LLM(str(tiny_llama_dir), num_kv_blocks=1024, batch_invariant=True,
+               speculative_config='{"num_speculative_tokens": 4, "prompt_lookup_min": 1}')
+    prompt = PROBE[:20] * 4
+    want = plain.generate([prompt], params)[0]
+    got = spec.generate([prompt], params)[0]
+    assert spec.engine.num_accepted_tokens > 0
+    assert [(lp.token_id, lp.logprob, lp.top) for lp in got.logprobs] == \
+        [(lp.token_id, lp.logprob, lp.top) for lp in want.logprobs]
+
+
+def test_the_mode_says_what_it_needs_where_the_kernels_are_missing(tiny_llama_dir):
+    with pytest.raises(ConfigError, match="batch_invariant: needs the CPU's fp32 kernels"):
+        LLM(str(tiny_llama_dir), num_kv_blocks=64, batch_invariant=True, dtype="bfloat16")
