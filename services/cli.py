@@ -2,6 +2,7 @@
 
 Usage:
     epd up [--prefills N] [--decodes N] [--encoders N] [--port 8000] ...   (the local cluster)
+    epd up --ray [--ray-address HOST:PORT] ...                               (the same cluster on Ray)
     epd admin instances | router | drain ID | undrain ID | policies | policy ROLE NAME | buckets ... | keys ...
     epd chat "message" [--model M] [--max-tokens N] [--temperature T] [--seed S]
     epd generate "prompt" [--model M] [--max-tokens N] [--temperature T] [--seed S]
@@ -23,7 +24,8 @@ from services.common.errors import EPDError
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description="epd: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("up", help="start the local cluster (encoder, prefill, decode, router); see epd up --help")
+    sub.add_parser("up", help="start the local cluster (encoder, prefill, decode, router), or with --ray "
+                              "on a Ray cluster; see epd up --help")
     sub.add_parser("admin", help="the router's admin API (instances, drain, policies, buckets, API keys); "
                                      "see epd admin --help")
     for name, help_text in (("chat", "answer one chat message with the model's chat template"),
@@ -41,8 +43,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["up"]:
-        from services.launcher import main as up
-        return up(argv[1:])
+        from services.launcher import main as up, parse
+        config = parse(argv[1:])
+        if config.ray:   # Ray is imported only then (services/ray_cluster)
+            from services.ray_cluster.up import main as up_on_ray
+            return up_on_ray(config)
+        return up(config)
     if argv[:1] == ["admin"]:
         from services.router.admin.cli import main as admin
         return admin(argv[1:])

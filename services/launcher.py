@@ -122,6 +122,13 @@ class UpConfig:
     defaults, prefill and decode scaled between --prefills / --decodes and --autoscale-max."""
     autoscale_max: int = 4
     """With --autoscale and no --planner-config: the most prefill, and decode, processes."""
+    ray: bool = False
+    """Run every process as a Ray actor (services/ray_cluster): placed by Ray resources, restarted by Ray."""
+    ray_address: str = ""
+    """With --ray: the Ray cluster (host:port, or auto); empty: RAY_ADDRESS, else a local Ray."""
+    ray_gpus_per_engine: float = 1.0
+    """With --ray, on a cluster with GPUs and --device not cpu: GPUs each encoder / prefill / decode
+    actor reserves (0.5: two engines share one GPU)."""
 
     def __post_init__(self) -> None:
         check(self.encoders is None or self.encoders >= 0, "encoders", "must be >= 0 (none: auto)")
@@ -134,6 +141,8 @@ class UpConfig:
               "must be between 1 and the number of store nodes")
         check(not self.autoscale or self.autoscale_max >= max(self.prefills, self.decodes), "autoscale_max",
               "must be >= --prefills and --decodes")
+        check(not self.ray_address or self.ray, "ray_address", "needs --ray")
+        check(0 < self.ray_gpus_per_engine <= 8, "ray_gpus_per_engine", "must be in (0, 8]")
         check(not (self.api_keys and self.redis), "api_keys", "with --redis the router keeps its keys in "
               "Redis: drop the keys file (give --api-key, or add keys with epd admin keys create)")
 
@@ -406,7 +415,13 @@ async def run(config: UpConfig) -> int:
         await asyncio.to_thread(cluster.stop)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None = None) -> UpConfig:
+    """``epd up``'s settings; logging set up for it (the caller then runs :func:`main` with them,
+    or services.ray_cluster's with --ray)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    return asyncio.run(run(config_or_exit(UpConfig, argv, "up", prog="epd up")))
+    return config_or_exit(UpConfig, argv, "up", prog="epd up")
+
+
+def main(config: UpConfig) -> int:
+    return asyncio.run(run(config))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import socket
 from typing import Iterable, Sequence
 
@@ -26,8 +27,16 @@ from kvstore.transfer.state import TransferOp
 log = logging.getLogger(__name__)
 
 
+HOST_ID_ENV = "EPD_HOST_ID"
+"""Overrides the machine's id: processes that share a machine but should move KV as if they
+did not (several Ray "nodes" on one host, a test acting as another machine) set it."""
+
+
 def local_host_id() -> HostId:
-    """Same value for every process on this machine (and container: the hostname differs)."""
+    """Same value for every process on this machine (and container: the hostname differs),
+    unless ``EPD_HOST_ID`` says otherwise."""
+    if override := os.environ.get(HOST_ID_ENV, ""):
+        return HostId(override)
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot_id = f.read().strip()
