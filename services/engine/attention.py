@@ -98,6 +98,8 @@ class AttentionMetadata:
     batch_invariant: bool = False
     """Every token through the kernels whose result for a token does not depend on the rest
     of the batch or on how its prompt was chunked (see :func:`build_metadata`)."""
+    is_verify_step: bool = False
+    """Every chunk is a decode: one token, or one and its speculative drafts (set by the runner)."""
 
     @property
     def decode_only(self) -> bool:
@@ -107,9 +109,9 @@ class AttentionMetadata:
     @property
     def packed_products(self) -> bool:
         """Linear layers use the packed small-batch product (one sequential sum per output, so
-        a row's result does not depend on the other rows): decode-only steps, for speed; every
-        step in batch-invariant mode."""
-        return self.decode_only or self.batch_invariant
+        a row's result does not depend on the other rows): steps that only decode (drafts
+        included: a few rows each), for speed; every step in batch-invariant mode."""
+        return self.decode_only or self.is_verify_step or self.batch_invariant
 
     @property
     def max_gather_blocks(self) -> int:

@@ -26,6 +26,11 @@ from services.engine.scheduler import SchedulerOutput
 from services.engine.sequence import BlockId, RequestId
 
 
+MAX_PACKED_ROWS = 64
+"""Most rows a step with speculative drafts multiplies by the packed weights (decode-only steps
+always do, up to max_num_seqs rows); more go to MKL, faster for many rows."""
+
+
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[RequestId, list[int]]
@@ -117,8 +122,11 @@ class ModelRunner:
             self.grammars.drop(request_id)
         if not out.chunks:
             return ModelRunnerOutput({}, {})
+        # A verify step is a decode step with a few more rows: the packed product still wins there.
+        is_verify_step = out.num_tokens <= MAX_PACKED_ROWS and all(
+            len(c.token_ids) == 1 + len(c.draft_token_ids) and c.start_position > 0 for c in out.chunks)
         hidden, meta = self._forward([(c.start_position, c.token_ids, c.block_table) for c in out.chunks],
-                                     [c.mm_embeds for c in out.chunks])
+                                     [c.mm_embeds for c in out.chunks], is_verify_step)
         sample_rows, rows, ids, constrained, verifying = [], [], [], [], []
         end = 0
         for chunk in out.chunks:
@@ -172,7 +180,7 @@ class ModelRunner:
         return ModelRunnerOutput(sampled, kept_logprobs)
 
     def _forward(self, chunks: list[tuple[int, list[int], list[BlockId]]],
-                 mm_embeds: list[list[tuple[int, torch.Tensor]]] | None = None
+                 mm_embeds: list[list[tuple[int, torch.Tensor]]] | None = None, is_verify_step: bool = False
                  ) -> tuple[torch.Tensor, AttentionMetadata]:
         """Final hidden states of the flat batch, and the step's attention metadata."""
         input_ids = torch.tensor([t for _, toks, _ in chunks for t in toks], dtype=torch.long,
@@ -189,6 +197,7 @@ class ModelRunner:
         meta = build_metadata([(s, len(toks), table) for s, toks, table in chunks], self.block_size,
                               self.cfg.num_layers, self.device, self._kernels, self.batch_invariant)
         meta.workspace = self._workspace(meta.max_gather_blocks)
+        meta.is_verify_step = is_verify_step
         return self.model(input_ids, positions, self.kv_cache, meta, inputs_embeds), meta
 
     def _workspace(self, num_blocks: int) -> torch.Tensor:
