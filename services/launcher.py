@@ -42,6 +42,7 @@ import httpx
 
 from kvstore.transfer.engine import TRANSPORT_CHOICES
 from services.common.config import check, config_or_exit
+from services.engine.models.config import is_llava_dir
 from services.local_scaling import LocalScaler
 from services.supervisor import (BackgroundSupervision, Child, ChildFailed, Probe, Supervisor,
                                  remove_shared_memory_of)
@@ -61,9 +62,9 @@ class UpConfig:
     model: str = ""
     """Model name, GGUF file or Hugging Face directory; empty: SmolLM2-135M-Instruct."""
     encoders: int | None = None
-    """Encoder instances (images in messages); none: auto, one for a model with a vision tower
-    and none otherwise, so a text-only model answers images with a 400. No model the engine loads
-    has one yet, and an encoder's tower is random unless EPD_ENCODER_WEIGHTS names weights."""
+    """Encoder instances (images in messages); none: auto, one for a LLaVA model directory (its
+    vision tower) and none otherwise, so a text-only model answers images with a 400. For a text
+    model with encoders, their tower is random unless EPD_ENCODER_WEIGHTS names weights."""
     prefills: int = 1
     """Prefill instances."""
     decodes: int = 1
@@ -148,9 +149,10 @@ class UpConfig:
 
     @property
     def num_encoders(self) -> int:
-        """--encoders, auto resolved: the engine loads only text decoders (services/engine/models:
-        the Llama family, no vision tower), so auto starts none."""
-        return 0 if self.encoders is None else self.encoders
+        """--encoders, auto resolved: one for a LLaVA directory, none for a text model."""
+        if self.encoders is not None:
+            return self.encoders
+        return 1 if is_llava_dir(self.model) else 0
 
     def kvstore_disk_dir(self, node: int) -> str:
         if self.kvstore_dir == "none":
@@ -283,7 +285,7 @@ class Cluster:
         c = self.config
         kvstores = [self._spawn(f"kvstore-{i}", "services.kvstore", self._kvstore_args(i)) for i in range(c.kvstores)]
         await self._wait_healthy(kvstores)
-        if c.num_encoders and not os.environ.get("EPD_ENCODER_WEIGHTS"):
+        if c.num_encoders and not is_llava_dir(c.model) and not os.environ.get("EPD_ENCODER_WEIGHTS"):
             logger.warning("the encoders' vision tower is random (no EPD_ENCODER_WEIGHTS): images are "
                            "accepted, but what the model says about them means nothing")
         encoders = [self.spawn_instance("encoder") for _ in range(c.num_encoders)]

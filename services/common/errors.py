@@ -16,6 +16,7 @@ ModelNotFoundError         404          NOT_FOUND            no
 UnavailableError           503          UNAVAILABLE          yes
 DeadlineExceededError      504          DEADLINE_EXCEEDED    no
 KVLoadError                500          INTERNAL             no
+EmbeddingsMissingError     503          UNAVAILABLE          yes (with the images encoded)
 =========================  ===========  ===================  =========
 """
 
@@ -79,3 +80,10 @@ class DeadlineExceededError(EPDError):
 class KVLoadError(EPDError):
     """A request's KV could not be loaded and the instance is told to fail rather than recompute
     it (``--kv-load-failure-policy fail``)."""
+
+
+class EmbeddingsMissingError(UnavailableError):
+    """An image's rows could not be had: its encoder's lent rows were unreadable (the encoder
+    died, the lease expired), or the router skipped the encoder on a prefix hit that turned out
+    evicted. The router runs the request again with its images encoded (never another prefill
+    with the same message)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kvstore.transfer.descriptors import BlockDesc, Endpoint, KVHandle, RegionDesc
 from services.common.sampling_params import SamplingParams, StructuredOutput, TokenLogprobs
-from services.pb import common_pb2, decode_pb2, kvstore_pb2, prefill_pb2
+from services.pb import common_pb2, decode_pb2, encoder_pb2, kvstore_pb2, prefill_pb2
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
@@ -29,12 +29,50 @@ class TensorBytes:
 
 
 @dataclass(frozen=True)
+class RemoteEmbeddings:
+    """An image's embedding rows left in its encoder's registered memory: ``handle``'s blocks,
+    back to back, are the rows' bytes; its lease ends when the router releases it (or expires)."""
+
+    handle: KVHandle
+    shape: tuple[int, ...]
+    """[rows, hidden_size]."""
+    dtype: str
+
+
+@dataclass(frozen=True)
 class ImageInput:
     image_hash: bytes
     position: int
     """Index of the image's first placeholder token in the prompt."""
-    embeddings: TensorBytes
-    """[rows, hidden_size]: one row per placeholder token."""
+    embeddings: TensorBytes | None = None
+    """[rows, hidden_size]: one row per placeholder token, inline."""
+    remote: RemoteEmbeddings | None = None
+    """Or the rows, to be read one-sided from the encoder. Neither: the KV of every block the
+    image touches must come from a prefix cache (decode; or the router skipped the encoder)."""
+    num_rows: int = 0
+    """Placeholder tokens of the image (0: the inline embeddings' rows)."""
+
+    @property
+    def rows(self) -> int:
+        if self.num_rows:
+            return self.num_rows
+        shape = self.embeddings.shape if self.embeddings is not None else self.remote.shape if self.remote else (0,)
+        return int(shape[0])
+
+    def without_embeddings(self) -> ImageInput:
+        """The image as a reader that gets its KV (not its rows) sees it: hash, place, size."""
+        return ImageInput(self.image_hash, self.position, num_rows=self.rows)
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """One image of an Encode reply: its hash and its rows, inline or left at the encoder."""
+
+    image_hash: bytes
+    embeddings: TensorBytes | None = None
+    remote: RemoteEmbeddings | None = None
+    is_cached: bool = False
+    """Served from the encoder's embedding cache (no forward pass)."""
 
 
 @dataclass(frozen=True)
@@ -169,21 +207,54 @@ def tensor_from_proto(msg: common_pb2.Tensor) -> TensorBytes:
     return TensorBytes(tuple(msg.shape), msg.dtype, msg.data)
 
 
+def remote_to_proto(r: RemoteEmbeddings) -> common_pb2.RemoteEmbeddings:
+    return common_pb2.RemoteEmbeddings(handle=kv_handle_to_proto(r.handle), shape=list(r.shape), dtype=r.dtype)
+
+
+def remote_from_proto(msg: common_pb2.RemoteEmbeddings) -> RemoteEmbeddings:
+    return RemoteEmbeddings(kv_handle_from_proto(msg.handle), tuple(msg.shape), msg.dtype)
+
+
+def image_to_proto(i: ImageInput) -> common_pb2.ImageInput:
+    msg = common_pb2.ImageInput(image_hash=i.image_hash, position=i.position, num_rows=i.num_rows)
+    if i.embeddings is not None:
+        msg.embeddings.CopyFrom(tensor_to_proto(i.embeddings))
+    if i.remote is not None:
+        msg.remote.CopyFrom(remote_to_proto(i.remote))
+    return msg
+
+
+def image_from_proto(msg: common_pb2.ImageInput) -> ImageInput:
+    return ImageInput(msg.image_hash, msg.position,
+                      tensor_from_proto(msg.embeddings) if msg.HasField("embeddings") else None,
+                      remote_from_proto(msg.remote) if msg.HasField("remote") else None, msg.num_rows)
+
+
+def encoded_image_to_proto(e: EncodedImage) -> encoder_pb2.ImageEmbedding:
+    msg = encoder_pb2.ImageEmbedding(image_hash=e.image_hash, is_cached=e.is_cached)
+    if e.embeddings is not None:
+        msg.embeddings.CopyFrom(tensor_to_proto(e.embeddings))
+    if e.remote is not None:
+        msg.remote.CopyFrom(remote_to_proto(e.remote))
+    return msg
+
+
+def encoded_image_from_proto(msg: encoder_pb2.ImageEmbedding) -> EncodedImage:
+    return EncodedImage(msg.image_hash, tensor_from_proto(msg.embeddings) if msg.HasField("embeddings") else None,
+                        remote_from_proto(msg.remote) if msg.HasField("remote") else None, msg.is_cached)
+
+
 def spec_to_proto(spec: RequestSpec) -> common_pb2.RequestSpec:
     return common_pb2.RequestSpec(
         request_id=spec.request_id, prompt_token_ids=list(spec.prompt_token_ids),
-        params=params_to_proto(spec.params),
-        images=[common_pb2.ImageInput(image_hash=i.image_hash, position=i.position,
-                                      embeddings=tensor_to_proto(i.embeddings)) for i in spec.images],
+        params=params_to_proto(spec.params), images=[image_to_proto(i) for i in spec.images],
         cache_salt=spec.cache_salt, request_class=spec.request_class)
 
 
 def spec_from_proto(msg: common_pb2.RequestSpec) -> RequestSpec:
     return RequestSpec(
         request_id=msg.request_id, prompt_token_ids=tuple(msg.prompt_token_ids),
-        params=params_from_proto(msg.params),
-        images=tuple(ImageInput(i.image_hash, i.position, tensor_from_proto(i.embeddings))
-                     for i in msg.images),
+        params=params_from_proto(msg.params), images=tuple(image_from_proto(i) for i in msg.images),
         cache_salt=msg.cache_salt, request_class=msg.request_class or "chat")
 
 

@@ -35,16 +35,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from kvstore.transfer.descriptors import KVHandle
 from services.common import metrics
-from services.common.errors import KVLoadError, UnavailableError
+from services.common.errors import EmbeddingsMissingError, KVLoadError, UnavailableError
 from services.common.wire import DecodeRequest, LoadReport, RequestSpec, TokenChunk
-from services.engine.serving.instance import EngineInstance, mm_inputs
+from services.engine.serving.embeddings import image_inputs, pin_cached_prefix, rows_missing_end, unpin
+from services.engine.serving.instance import EngineInstance
 from services.engine.serving.seam import Reservation
 from services.engine.serving.staging import HANDOVER_PATH
 
 logger = logging.getLogger(__name__)
 TRANSFERS = metrics.counter("epd_kv_transfers_total", "KV hand-overs read by this decode instance, by result "
                             "(done; failed or none: the prompt was recomputed).", ["result"])
-TRANSFER_BYTES = metrics.counter("epd_kv_transfer_bytes_total", "KV bytes read from prefill instances.")
+TRANSFER_BYTES = metrics.counter("epd_kv_transfer_bytes_total", "KV bytes read from prefill instances, by "
+                                 "the transport that moved them (shm, tcp, nixl).", ["transport"])
 TRANSFER_SECONDS = metrics.histogram("epd_kv_transfer_seconds", "Time to read one request's prompt KV.",
                                      buckets=metrics.INTER_TOKEN_BUCKETS_S)
 RESUMED_TOKENS = metrics.counter(
@@ -73,10 +75,19 @@ class DecodeWorker:
         if self.is_draining:
             raise UnavailableError("this decode instance is draining")
         spec, seam, store = req.spec, self.instance.seam, self.instance.store
-        rid, images = spec.request_id, mm_inputs(spec)
+        rid = spec.request_id
+        images = await image_inputs(spec, self.instance.transfer, self.instance.llm.model_config.hidden_size)
         context = [*spec.prompt_token_ids, *req.output_token_ids]
         if req.kv is None and store is not None:
             await store.pull(context, images, spec.cache_salt)
+        pinned = None
+        if req.kv is None and (num_tokens := rows_missing_end(spec)):
+            # No rows came with the request (its KV was to come from prefill): what is not
+            # cached here cannot be computed.
+            pinned = await pin_cached_prefix(seam, context, images, spec.cache_salt, num_tokens)
+            if pinned is None:
+                raise KVLoadError(f"the KV of {rid}'s images is neither handed over nor cached here, and "
+                                  "their rows were not sent: the request cannot go on here")
         try:
             stream = await seam.add(list(spec.prompt_token_ids), spec.params, rid,
                                     output_token_ids=req.output_token_ids, hold_for_kv=req.kv is not None,
@@ -101,6 +112,8 @@ class DecodeWorker:
                                  not is_pulled, logprobs)
         finally:
             await stream.aclose()  # aborts an unfinished request; a held one frees its blocks
+            if pinned is not None:
+                await unpin(seam, pinned)
 
     async def _load_kv(self, rid: str, req: DecodeRequest) -> bool:
         """The held request's prompt KV read in (True) or to be recomputed here (False); a
@@ -127,6 +140,11 @@ class DecodeWorker:
             # (aborting the held request, as the stream closes, frees the reservation)
             raise KVLoadError(f"the prompt's KV for {rid} could not be read from {req.prefill_address} "
                               "(--kv-load-failure-policy fail)")
+        elif rows_missing_end(req.spec):
+            # Retryable: the router moves the request to a decode instance with the image rows
+            # (re-encoded), which recomputes the prompt.
+            raise EmbeddingsMissingError(f"the prompt's KV for {rid} could not be read from {req.prefill_address} "
+                                         "and its image rows were not sent here to recompute it from")
         else:
             self.num_recomputed += 1
             await seam.recompute(reservation)
@@ -159,7 +177,7 @@ class DecodeWorker:
             logger.warning("KV transfer %s failed (%s): recomputing", kv.lease_id, error)
             return False
         TRANSFER_SECONDS.observe(time.perf_counter() - started)
-        TRANSFER_BYTES.inc(wanted.num_bytes)
+        TRANSFER_BYTES.labels(seam.transport_for(wanted)).inc(wanted.num_bytes)
         return True
 
     async def _release(self, prefill_address: str, lease_id: str) -> None:

@@ -14,7 +14,10 @@ message says what is wrong, before any model work is spent on it::
         v
     32-byte digest: an extra key of the KV blocks the image's placeholder tokens sit in
 
-Hashing the *preprocessed* pixels rather than the upload means that a PNG and a lossless
+A LLaVA model (``llava.py``) preprocesses with its own image processor instead, and hashes with
+:func:`pixel_hash`: the decoded RGB pixels, the processor's settings and the tower's identity.
+
+Hashing pixels rather than the upload means that a PNG and a lossless
 re-encoding of the same picture (or the same picture with different metadata) share one hash,
 and so share cached embeddings and KV blocks.
 """
@@ -130,7 +133,7 @@ def preprocess(image: Image.Image, image_size: int) -> torch.Tensor:
     Transparent areas go over white, as Hugging Face's ``convert_to_rgb`` does, rather than
     over whatever colour the transparent pixels happen to store (often black).
     """
-    image = _to_rgb(image).resize((image_size, image_size), Image.Resampling.BICUBIC)
+    image = to_rgb(image).resize((image_size, image_size), Image.Resampling.BICUBIC)
     # numpy, not torch, for this arithmetic: torch splits even a 150k-element op over its
     # OpenMP pool, which costs milliseconds per image when the cores are busy with a forward.
     # Float32 throughout; each op is IEEE-exact, so the bytes (and the hash) match everywhere.
@@ -139,7 +142,8 @@ def preprocess(image: Image.Image, image_size: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
 
 
-def _to_rgb(image: Image.Image) -> Image.Image:
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB pixels of ``image``: alpha composited over white, 16-bit grey cut to its top 8 bits."""
     if image.mode.startswith("I"):
         # 16-bit grayscale PNG: Pillow's convert() would clip at 255 (nearly all white);
         # keep the top 8 bits instead.
@@ -164,4 +168,26 @@ def image_hash(pixels: torch.Tensor) -> bytes:
     h.update(struct.pack("<3I", *pixels.shape))
     # Little-endian explicitly, so a big-endian host would hash the same picture the same way.
     h.update(pixels.detach().cpu().contiguous().numpy().astype("<f4", copy=False).tobytes())
+    return h.digest()
+
+
+PIXEL_HASH_TAG = b"epd-image-v2|rgb8"
+"""Names :func:`pixel_hash`'s layout: change it, change this tag."""
+
+
+def pixel_hash(rgb: Image.Image, settings: bytes, tower_id: bytes) -> bytes:
+    """32-byte sha256 of decoded RGB pixels (``to_rgb``'s output), the preprocessing settings
+    that will turn them into the model's input, and the tower that will read them.
+
+    Needs only Pillow, numpy and hashlib, so it can run before preprocessing (and wherever an
+    image's hash is wanted before the encoder sees it). Each part is length-prefixed, so no
+    two different (settings, tower, pixels) triples hash the same bytes.
+    """
+    assert rgb.mode == "RGB", "hash to_rgb() output"
+    h = hashlib.sha256(PIXEL_HASH_TAG)
+    for part in (settings, tower_id):
+        h.update(struct.pack("<Q", len(part)))
+        h.update(part)
+    h.update(struct.pack("<2I", *rgb.size))
+    h.update(np.asarray(rgb, dtype=np.uint8).tobytes())
     return h.digest()

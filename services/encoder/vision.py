@@ -12,6 +12,13 @@ One image becomes ``num_patches`` rows, one per image placeholder token of the p
 Weights are either local safetensors (names are this module's ``state_dict`` names) or a
 deterministic random init from ``seed``: every process that builds the same config gets the
 same weights bit for bit, so encoders replicas agree and a test can pin their output.
+
+Real vision-language models are served by ``llava.py`` (a LLaVA directory's own CLIP / SigLIP
+tower, projector and image processor). This tower stays for what has no such model: the
+encoder of a *text* model (SmolLM2 and the tiny test Llamas, which tests, benchmarks and
+``epd up --encoders N`` use to exercise the image path: decoding, limits, hashing, the splice,
+the service and its balancer) with no download and no transformers at run time. What a text
+model says about its rows means nothing; only the plumbing is real.
 """
 
 from __future__ import annotations
@@ -22,11 +29,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from services.common.errors import InvalidRequestError, ModelNotFoundError
+from services.encoder.images import image_hash, preprocess
 
 PROJECTOR_OUTPUT_STD = 0.03
 """Std the random projector is scaled to give: the size of a small LM's token embeddings, so
@@ -128,6 +137,16 @@ class VisionTower(nn.Module):
             self.init_weights(c.seed)
         else:
             self.load_weights(c.weights)
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Rows per image (the encoder worker's model interface, as ``llava.LlavaVision``)."""
+        return self.config.num_patches
+
+    def prepare(self, image: Image.Image) -> tuple[torch.Tensor, bytes]:
+        """Normalised pixels ``[3, S, S]`` and their hash (see ``images.py``)."""
+        pixels = preprocess(image, self.config.image_size)
+        return pixels, image_hash(pixels)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """``[B, 3, S, S]`` normalised pixels -> ``[B, num_patches, out_hidden_size]``."""

@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from services.common.errors import InvalidRequestError
-from services.encoder.images import decode_data_uri, image_hash, preprocess
+from services.encoder.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, decode_data_uri
 from services.encoder.vision import VisionConfig, VisionTower
 from services.engine.model_runner import resolve_device, resolve_dtype
 
@@ -31,8 +31,9 @@ WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class ImageEmbedding:
     image_hash: bytes
     """sha256 of the preprocessed pixels (see images.image_hash); joins the KV block hashes."""
-    embeddings: torch.Tensor
-    """float32 CPU ``[num_patches, out_hidden_size]``, one row per placeholder token."""
+    embeddings: torch.Tensor | None
+    """float32 CPU ``[num_patches, out_hidden_size]``, one row per placeholder token; None for
+    an image the caller said it has (``encode``'s ``is_cached``): the tower skipped it."""
     num_patches: int
 
 
@@ -45,7 +46,14 @@ class RawTensor(NamedTuple):
 
 
 class EncoderWorker:
-    def __init__(self, config: VisionConfig, device: str = "auto", dtype: str = "auto") -> None:
+    max_image_bytes = MAX_IMAGE_BYTES  # issue 20: the service sets its --max-image-* flags here
+    max_image_pixels = MAX_IMAGE_PIXELS
+
+    def __init__(self, config: VisionConfig | None = None, device: str = "auto", dtype: str = "auto",
+                 model=None) -> None:
+        """``model``: the vision model to run (issue 20: a ``llava.LlavaVision``; anything with
+        ``num_image_tokens``, ``prepare(image) -> (pixels, hash)`` and ``forward(batch)``);
+        None: the home-made tower of ``config``."""
         if not (device in ("auto", "cpu", "cuda") or device.startswith("cuda:")):
             raise InvalidRequestError(f"encoder device={device!r}: must be auto, cpu or cuda[:N]")
         if dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -56,34 +64,42 @@ class EncoderWorker:
         self.dtype = resolve_dtype(dtype, self.device)
         # Weights are made (or loaded) in fp32 on the CPU first, so the random init is the
         # same bits on every machine; only then cast and moved.
-        self.model = VisionTower(config).to(device=self.device, dtype=self.dtype).eval()
+        model = model if model is not None else VisionTower(config)  # issue 20
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
 
     @property
     def num_patches_per_image(self) -> int:
         """Embedding rows per image: the number of placeholder tokens the prompt needs for it."""
-        return self.config.num_patches
+        return self.model.num_image_tokens  # issue 20: from the model, not a constant
 
-    def encode(self, data_uris: Sequence[str]) -> list[ImageEmbedding]:
-        """One embedding per URI, in order; InvalidRequestError (naming the image) if any is bad."""
+    def encode(self, data_uris: Sequence[str],
+               is_cached: Callable[[bytes], bool] | None = None) -> list[ImageEmbedding]:
+        """One embedding per URI, in order; InvalidRequestError (naming the image) if any is bad.
+
+        ``is_cached(image_hash)``: True for an image whose rows the caller holds (an embedding
+        cache); the forward pass skips it and its ImageEmbedding has no embeddings."""
         pixels, hashes = [], []
         for i, uri in enumerate(data_uris):
             try:
-                image = decode_data_uri(uri)
+                image = decode_data_uri(uri, self.max_image_bytes, self.max_image_pixels)
             except InvalidRequestError as exc:
                 raise InvalidRequestError(f"image {i}: {exc}") from exc
-            pixels.append(preprocess(image, self.config.image_size))
-            hashes.append(image_hash(pixels[-1]))
+            image_pixels, image_hash = self.model.prepare(image)  # issue 20: the model's preprocessing
+            pixels.append(image_pixels)
+            hashes.append(image_hash)
         if not pixels:
             return []
         # The same picture twice in one request (a common retry/quote pattern) is encoded once.
-        unique = list(dict.fromkeys(hashes))
+        unique = [h for h in dict.fromkeys(hashes) if is_cached is None or not is_cached(h)]
         first = {h: hashes.index(h) for h in unique}
-        batch = torch.stack([pixels[first[h]] for h in unique])
-        # Cloned outside inference mode: each image gets its own storage (not a view of the
-        # batch) and a normal tensor that autograd-tracked code may use.
-        rows = dict(zip(unique, (row.clone() for row in self._forward(batch))))
+        rows: dict[bytes, torch.Tensor] = {}
+        if unique:
+            batch = torch.stack([pixels[first[h]] for h in unique])
+            # Cloned outside inference mode: each image gets its own storage (not a view of the
+            # batch) and a normal tensor that autograd-tracked code may use.
+            rows = dict(zip(unique, (row.clone() for row in self._forward(batch))))
         n = self.num_patches_per_image
-        return [ImageEmbedding(image_hash=h, embeddings=rows[h], num_patches=n) for h in hashes]
+        return [ImageEmbedding(image_hash=h, embeddings=rows.get(h), num_patches=n) for h in hashes]
 
     @torch.inference_mode()
     def _forward(self, batch: torch.Tensor) -> torch.Tensor:

@@ -296,18 +296,21 @@ class LLMEngine:
         released, requests holding blocks for KV that is still arriving."""
         return self._num_handoff_blocks > 0 or any(seq.block_table for seq in self._held.values())
 
-    def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None) -> "torch.Tensor":
+    def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None,
+                      mm_inputs: Sequence_[MultiModalInput] = ()) -> "torch.Tensor":
         """Logits [len, vocab] at every position of one prompt, computed alone (fp32), in one step
-        or in chunks of ``chunk_size`` tokens (the continued chunks' path).
+        or in chunks of ``chunk_size`` tokens (the continued chunks' path), with ``mm_inputs``'
+        embeddings spliced in.
 
         Uses fresh blocks and gives them back; for oracle tests and prompt logprobs.
         """
         token_ids = self.validate(list(token_ids), SamplingParams())
-        seq = Sequence(RequestId("score"), token_ids, SamplingParams())
+        self._check_mm_inputs(mm_inputs, len(token_ids))
+        seq = Sequence(RequestId("score"), token_ids, SamplingParams(), mm_inputs=tuple(mm_inputs))
         if self.block_manager.allocate_slots(seq, len(token_ids)) is None:
             raise InvalidRequestError("no free KV blocks to score this prompt now")
         try:
-            return self.runner.score(token_ids, seq.block_table, chunk_size)
+            return self.runner.score(token_ids, seq.block_table, chunk_size, seq.mm_slices)
         finally:
             self.block_manager.free(seq)
 

@@ -228,14 +228,18 @@ class ModelRunner:
         return SamplingRow(params, chunk.prompt_token_ids, output, generator, suppressed)
 
     @torch.inference_mode()
-    def score(self, token_ids: list[int], block_table: list[BlockId], chunk_size: int | None = None) -> torch.Tensor:
+    def score(self, token_ids: list[int], block_table: list[BlockId], chunk_size: int | None = None,
+              mm_slices=None) -> torch.Tensor:
         """Logits at every position of one sequence (oracle tests, prompt logprobs); with
         ``chunk_size``, computed in chunks of that many tokens as chunked prefill computes them
-        (each chunk after the first attends to the KV the earlier ones left in the pool)."""
+        (each chunk after the first attends to the KV the earlier ones left in the pool).
+        ``mm_slices(start, num_tokens)``: the image rows to splice into a chunk (Sequence.mm_slices)."""
         chunk_size = chunk_size or len(token_ids)
         logits = []
         for start in range(0, len(token_ids), chunk_size):
-            hidden, _ = self._forward([(start, list(token_ids[start:start + chunk_size]), block_table)])
+            chunk = list(token_ids[start:start + chunk_size])
+            hidden, _ = self._forward([(start, chunk, block_table)],
+                                      [mm_slices(start, len(chunk))] if mm_slices else None)
             logits.append(self.model.compute_logits(hidden).float())
         return torch.cat(logits)
 

@@ -1,3 +1,4 @@
+from services.pb import kvstore_pb2 as _kvstore_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -81,15 +82,29 @@ class Tensor(_message.Message):
     data: bytes
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class RemoteEmbeddings(_message.Message):
+    __slots__ = ("handle", "shape", "dtype")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    handle: _kvstore_pb2.KVHandle
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, handle: _Optional[_Union[_kvstore_pb2.KVHandle, _Mapping]] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
 class ImageInput(_message.Message):
-    __slots__ = ("image_hash", "position", "embeddings")
+    __slots__ = ("image_hash", "position", "embeddings", "remote", "num_rows")
     IMAGE_HASH_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     image_hash: bytes
     position: int
     embeddings: Tensor
-    def __init__(self, image_hash: _Optional[bytes] = ..., position: _Optional[int] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    remote: RemoteEmbeddings
+    num_rows: int
+    def __init__(self, image_hash: _Optional[bytes] = ..., position: _Optional[int] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., remote: _Optional[_Union[RemoteEmbeddings, _Mapping]] = ..., num_rows: _Optional[int] = ...) -> None: ...
 
 class RequestSpec(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "images", "cache_salt", "request_class")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.pb import common_pb2 as common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rencoder.proto\x12\x06\x65pd.v1\x1a\x0c\x63ommon.proto\"\x1f\n\rEncodeRequest\x12\x0e\n\x06images\x18\x01 \x03(\t\"H\n\x0eImageEmbedding\x12\x12\n\nimage_hash\x18\x01 \x01(\x0c\x12\"\n\nembeddings\x18\x02 \x01(\x0b\x32\x0e.epd.v1.Tensor\"8\n\x0e\x45ncodeResponse\x12&\n\x06images\x18\x01 \x03(\x0b\x32\x16.epd.v1.ImageEmbedding2\xb3\x01\n\x07\x45ncoder\x12\x37\n\x06\x45ncode\x12\x15.epd.v1.EncodeRequest\x1a\x16.epd.v1.EncodeResponse\x12\x32\n\x07GetLoad\x12\x13.epd.v1.LoadRequest\x1a\x12.epd.v1.LoadReport\x12;\n\tWatchLoad\x12\x18.epd.v1.WatchLoadRequest\x1a\x12.epd.v1.LoadReport0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rencoder.proto\x12\x06\x65pd.v1\x1a\x0c\x63ommon.proto\"1\n\rEncodeRequest\x12\x0e\n\x06images\x18\x01 \x03(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"\x85\x01\n\x0eImageEmbedding\x12\x12\n\nimage_hash\x18\x01 \x01(\x0c\x12\"\n\nembeddings\x18\x02 \x01(\x0b\x32\x0e.epd.v1.Tensor\x12(\n\x06remote\x18\x03 \x01(\x0b\x32\x18.epd.v1.RemoteEmbeddings\x12\x11\n\tis_cached\x18\x04 \x01(\x08\"8\n\x0e\x45ncodeResponse\x12&\n\x06images\x18\x01 \x03(\x0b\x32\x16.epd.v1.ImageEmbedding\",\n\x18ReleaseEmbeddingsRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"-\n\x19ReleaseEmbeddingsResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x83\x02\n\x07\x45ncoder\x12\x37\n\x06\x45ncode\x12\x15.epd.v1.EncodeRequest\x1a\x16.epd.v1.EncodeResponse\x12N\n\x07Release\x12 .epd.v1.ReleaseEmbeddingsRequest\x1a!.epd.v1.ReleaseEmbeddingsResponse\x12\x32\n\x07GetLoad\x12\x13.epd.v1.LoadRequest\x1a\x12.epd.v1.LoadReport\x12;\n\tWatchLoad\x12\x18.epd.v1.WatchLoadRequest\x1a\x12.epd.v1.LoadReport0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'encoder_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENCODEREQUEST']._serialized_start=39
-  _globals['_ENCODEREQUEST']._serialized_end=70
-  _globals['_IMAGEEMBEDDING']._serialized_start=72
-  _globals['_IMAGEEMBEDDING']._serialized_end=144
-  _globals['_ENCODERESPONSE']._serialized_start=146
-  _globals['_ENCODERESPONSE']._serialized_end=202
-  _globals['_ENCODER']._serialized_start=205
-  _globals['_ENCODER']._serialized_end=384
+  _globals['_ENCODEREQUEST']._serialized_end=88
+  _globals['_IMAGEEMBEDDING']._serialized_start=91
+  _globals['_IMAGEEMBEDDING']._serialized_end=224
+  _globals['_ENCODERESPONSE']._serialized_start=226
+  _globals['_ENCODERESPONSE']._serialized_end=282
+  _globals['_RELEASEEMBEDDINGSREQUEST']._serialized_start=284
+  _globals['_RELEASEEMBEDDINGSREQUEST']._serialized_end=328
+  _globals['_RELEASEEMBEDDINGSRESPONSE']._serialized_start=330
+  _globals['_RELEASEEMBEDDINGSRESPONSE']._serialized_end=375
+  _globals['_ENCODER']._serialized_start=378
+  _globals['_ENCODER']._serialized_end=637
 # @@protoc_insertion_point(module_scope)

@@ -40,6 +40,11 @@ class EncoderStub:
                 request_serializer=encoder__pb2.EncodeRequest.SerializeToString,
                 response_deserializer=encoder__pb2.EncodeResponse.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/epd.v1.Encoder/Release',
+                request_serializer=encoder__pb2.ReleaseEmbeddingsRequest.SerializeToString,
+                response_deserializer=encoder__pb2.ReleaseEmbeddingsResponse.FromString,
+                _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/epd.v1.Encoder/GetLoad',
                 request_serializer=common__pb2.LoadRequest.SerializeToString,
@@ -56,6 +61,12 @@ class EncoderServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Encode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -80,6 +91,11 @@ def add_EncoderServicer_to_server(servicer, server):
                     servicer.Encode,
                     request_deserializer=encoder__pb2.EncodeRequest.FromString,
                     response_serializer=encoder__pb2.EncodeResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=encoder__pb2.ReleaseEmbeddingsRequest.FromString,
+                    response_serializer=encoder__pb2.ReleaseEmbeddingsResponse.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
@@ -119,6 +135,33 @@ class Encoder:
             '/epd.v1.Encoder/Encode',
             encoder__pb2.EncodeRequest.SerializeToString,
             encoder__pb2.EncodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.Encoder/Release',
+            encoder__pb2.ReleaseEmbeddingsRequest.SerializeToString,
+            encoder__pb2.ReleaseEmbeddingsResponse.FromString,
             options,
             channel_credentials,
             insecure,

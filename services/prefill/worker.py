@@ -2,7 +2,9 @@
 
 ::
 
-    Prefill RPC --> KV store hits read into the prefix cache (StoreConnector.pull)
+    Prefill RPC --> image rows lent by an encoder read one-sided (serving/embeddings.py); none
+                    sent (the router's prefix hit): their blocks must be cached, pinned here
+        --> KV store hits read into the prefix cache (StoreConnector.pull)
         --> engine: waiting --> chunked prefill --> first token
                         |                                     |
                         |          finished by it? ---yes---> reply (no KV)
@@ -32,10 +34,11 @@ import logging
 import uuid
 
 from kvstore.transfer.leases import LeaseTable
-from services.common.errors import UnavailableError
+from services.common.errors import EmbeddingsMissingError, UnavailableError
 from services.common.wire import LoadReport, PrefillResponse, RequestSpec
 from services.engine.seams import Handoff
-from services.engine.serving.instance import EngineInstance, mm_inputs
+from services.engine.serving.embeddings import image_inputs, pin_cached_prefix, rows_missing_end, unpin
+from services.engine.serving.instance import EngineInstance
 from services.engine.serving.staging import HANDOVER_PATH
 
 logger = logging.getLogger(__name__)
@@ -51,23 +54,39 @@ class PrefillWorker:
         if self.is_draining:
             raise UnavailableError("this prefill instance is draining")
         seam, store = self.instance.seam, self.instance.store
-        prompt, images = list(spec.prompt_token_ids), mm_inputs(spec)
+        prompt = list(spec.prompt_token_ids)
+        images = await image_inputs(spec, self.instance.transfer, self.instance.llm.model_config.hidden_size)
         if store is not None:
             await store.pull(prompt, images, spec.cache_salt)
-        stream = await seam.add_then_detach(prompt, spec.params, spec.request_id, mm_inputs=images,
-                                            cache_salt=spec.cache_salt)
+        pinned = None
+        if num_tokens := rows_missing_end(spec):  # the router skipped the encoder on a prefix hit
+            pinned = await pin_cached_prefix(seam, prompt, images, spec.cache_salt, num_tokens)
+            if pinned is None:
+                raise EmbeddingsMissingError("the KV of the prompt's images is not cached here (evicted, or "
+                                             "never computed): send their rows")
         try:
-            last = None
-            async for item in stream:
-                last = item
+            last = await self._run(spec, prompt, images)
         finally:
-            await stream.aclose()
+            if pinned is not None:  # the request holds those blocks itself by now (or is gone)
+                await unpin(seam, pinned)
         if store is not None:
             store.push_soon(prompt, images, spec.cache_salt, spec.request_class)
         if not isinstance(last, Handoff):
             return PrefillResponse(last.token_ids[0], last.finish_reason, last.stop_reason,
                                    last.num_cached_tokens, None, (last.logprobs or [None])[0])
         return dataclasses.replace(await self._export(last), first_token_logprobs=(last.logprobs or [None])[0])
+
+    async def _run(self, spec: RequestSpec, prompt: list[int], images) -> object:
+        """The engine's last item for the request: its output, or its Handoff."""
+        stream = await self.instance.seam.add_then_detach(prompt, spec.params, spec.request_id, mm_inputs=images,
+                                                          cache_salt=spec.cache_salt)
+        try:
+            last = None
+            async for item in stream:
+                last = item
+        finally:
+            await stream.aclose()
+        return last
 
     async def _export(self, handoff: Handoff) -> PrefillResponse:
         seam = self.instance.seam

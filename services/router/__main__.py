@@ -18,6 +18,7 @@ import uvicorn
 from services.common.config import ConfigError, config_or_exit
 from services.router.config import RouterConfig
 from services.router.api.app import create_app
+from services.router.api.image_urls import ImageFetcher, ImageUrlPolicy
 from services.router.cluster.metrics import register_pool_metrics
 from services.router.admin.app import create_admin_app
 from services.router.access.gate import Gate, build_gate
@@ -97,7 +98,8 @@ async def _run(config: RouterConfig, gate: Gate) -> int:
     register_pool_metrics({"prefill": backend.prefills, "decode": backend.decodes, "encoder": backend.encoders})
     configure_buckets(backend.prefills.policy, config, backend.max_model_len)
     app = create_app(backend, served_model_names=list(config.served_model_name), gate=gate,
-                     cors_allow_origins=config.cors_allow_origin)
+                     cors_allow_origins=config.cors_allow_origin, image_urls=ImageFetcher(ImageUrlPolicy(
+                         config.allow_image_urls, config.image_url_max_bytes, config.image_url_timeout_s)))
     servers = [uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning",
         timeout_graceful_shutdown=config.drain_timeout_s))]

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from services.common.config import check
+from services.router.api.image_urls import PREFIX as IMAGE_URL_PREFIX
 from services.router.policies import POLICIES
 
 _ORIGIN = re.compile(r"\*|[a-z][a-z0-9+.-]*://[^/\s]+")
@@ -123,6 +124,13 @@ class RouterConfig:
     """Browser origins allowed to call the API (CORS), e.g. https://app.example.com, or * for
     any; none: no CORS headers, browsers refuse cross-origin calls. Preflights are answered
     before API keys are checked; the calls themselves still need a key."""
+    allow_image_urls: tuple[str, ...] = ()
+    """URL prefixes (scheme://host[:port]/path...) the router fetches images from when a message
+    names one by http(s) URL; none: remote image URLs are refused with a 400."""
+    image_url_max_bytes: int = 20 * 1024 * 1024
+    """Largest image fetched from an allowed URL (a 400 beyond)."""
+    image_url_timeout_s: float = 10.0
+    """Time for the whole fetch of one image from an allowed URL (a 400 beyond)."""
 
     def __post_init__(self) -> None:
         check(0 <= self.port <= 65535, "port", "must be in 0..65535 (0: a free port)")
@@ -154,6 +162,11 @@ class RouterConfig:
         check(self.key_cache_ttl_s > 0, "key_cache_ttl_s", "must be > 0")
         check(self.limits_on_redis_failure in ("fail-open", "fail-closed"), "limits_on_redis_failure",
               "must be fail-open or fail-closed")
+        for prefix in self.allow_image_urls:
+            check(IMAGE_URL_PREFIX.fullmatch(prefix) is not None, "allow_image_urls",
+                  f"{prefix!r} is not a URL prefix: http(s)://host[:port]/ and an optional path")
+        check(self.image_url_max_bytes > 0, "image_url_max_bytes", "must be > 0")
+        check(self.image_url_timeout_s > 0, "image_url_timeout_s", "must be > 0")
         for origin in self.cors_allow_origin:
             check(_ORIGIN.fullmatch(origin) is not None, "cors_allow_origin",
                   f"{origin!r} is not an origin: scheme://host[:port] without a path (or * for any)")

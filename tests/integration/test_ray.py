@@ -203,6 +203,10 @@ def test_prefill_and_decode_on_two_nodes_answer_like_the_offline_engine_over_tcp
         == done + len(prompts)
     assert sum(up.metric(d, "epd_kv_transfers_total", result="failed") for d in ("decode-0", "decode-1")) == 0
     assert all(mapped_pools_of_others(actors[d]["pid"]) == [] for d in ("decode-0", "decode-1"))
+    # And the metric says which transport moved the bytes.
+    for transport, expected_nonzero in (("tcp", True), ("shm", False)):
+        moved = sum(up.metric(d, "epd_kv_transfer_bytes_total", transport=transport) for d in ("decode-0", "decode-1"))
+        assert (moved > 0) == expected_nonzero, (transport, moved)
 
 
 @pytest.mark.parametrize("name, which", [("decode-0", "actor_pid"), ("decode-1", "pid")],

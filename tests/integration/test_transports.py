@@ -44,6 +44,10 @@ def test_the_hand_over_over_each_transport_equals_the_offline_engine(cluster, ti
     # Every prompt that decode did not finish at once came over: none was recomputed.
     assert cluster.metric("decode", "epd_kv_transfers_total", result="done") - transferred == len(prompts)
     assert cluster.metric("decode", "epd_kv_transfers_total", result="failed") == 0
+    forced = cluster.cluster.config.kv_transport
+    for transport in ("shm", "tcp", "nixl"):  # the metric names the transport that moved the bytes
+        moved = cluster.metric("decode", "epd_kv_transfer_bytes_total", transport=transport)
+        assert (moved > 0) == (transport == forced), (transport, moved)
     assert_mapped_only_over_shm(cluster)
     assert cluster.leftovers() == []
 

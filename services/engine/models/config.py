@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -28,14 +31,24 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
     """Served model name (directory or file stem)."""
+    image_token_id: int | None = None
+    """The placeholder token of an image (a LLaVA directory's ``image_token_id`` /
+    ``image_token_index``); None: the checkpoint is text-only."""
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
 
     @classmethod
     def from_hf_dict(cls, cfg: dict, name: str = "model") -> "ModelConfig":
-        """Build from a Hugging Face config.json dict (LlamaConfig / Qwen2Config)."""
+        """Build from a Hugging Face config.json dict (LlamaConfig / MistralConfig / Qwen2Config,
+        or a LlavaConfig, whose ``text_config`` is the language model prefill and decode run)."""
+        if "text_config" in cfg:
+            return dataclasses.replace(cls.from_hf_dict(cfg["text_config"], name), image_token_id=llava_image_token_id(cfg))
         arch = cfg.get("model_type", "llama")
+        if arch == "mistral":  # Llama's arithmetic; only a sliding window would differ
+            if cfg.get("sliding_window") and cfg["sliding_window"] < cfg.get("max_position_embeddings", 2048):
+                raise KeyError(f"sliding_window={cfg['sliding_window']} (sliding-window attention is not supported)")
+            arch = "llama"
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos = cfg.get("eos_token_id")
@@ -97,3 +110,25 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def llava_image_token_id(cfg: dict) -> int:
+    """The image placeholder id of a LLaVA config.json (transformers 5 writes ``image_token_index``
+    and reads either name); KeyError when neither is there."""
+    for key in ("image_token_id", "image_token_index"):
+        if isinstance(cfg.get(key), int):
+            return cfg[key]
+    raise KeyError("image_token_id / image_token_index")
+
+
+def is_llava_dir(model: str | None) -> bool:
+    """Whether ``model`` is a directory holding a LLaVA config.json (vision and text configs):
+    the encoder then runs its vision half. Torch-free, for the launcher too."""
+    path = Path(model).expanduser() / "config.json" if model else None
+    if path is None or not path.is_file():
+        return False
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(cfg, dict) and "vision_config" in cfg and "text_config" in cfg

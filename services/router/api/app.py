@@ -42,6 +42,7 @@ from services.router.api.body_checks import CheckedRoute
 from services.router.api.generation import (CLIENT_CLOSED_STATUS, PROMPT_TOKENS, REQUESTS, ClientGone,
                                             EventStreamResponse, Format, Generation, RequestTimer,
                                             unless_disconnected)
+from services.router.api.image_urls import ImageFetcher
 from services.router.api.openai_models import ChatCompletionRequest, CompletionRequest
 from services.router.api.responses_models import ResponsesRequest
 from services.router.cluster.backend import Backend, GenerateRequest
@@ -67,8 +68,10 @@ def tenant_salt(tenant: str, cache_salt: str) -> str:
 class Routes:
     """Every protocol's routes over one backend."""
 
-    def __init__(self, backend: Backend, served_model_names: list[str] | None) -> None:
+    def __init__(self, backend: Backend, served_model_names: list[str] | None,
+                 image_urls: ImageFetcher | None = None) -> None:
         self.backend = backend
+        self.image_urls = image_urls or ImageFetcher()
         self.model_names = list(dict.fromkeys([*(served_model_names or ()), backend.model_name]))
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
@@ -98,6 +101,7 @@ class Routes:
         timer = RequestTimer(endpoint, error_body)
         timer.state = request.scope.setdefault("state", {})
         try:
+            await self.image_urls.inline(body)  # allowed remote image URLs -> data URIs
             # Templates and tokenizing are CPU work: off the event loop, which streams for everyone.
             generate_request, fmt = await run_in_threadpool(build, body, self.backend, self.model_names)
         except Exception as exc:  # noqa: BLE001 - EPDError: the client's fault; else logged as a bug
@@ -154,16 +158,17 @@ def cors_middleware(allow_origins: tuple[str, ...] | list[str]) -> Middleware:
 
 
 def create_app(backend: Backend, served_model_names: list[str] | None = None, gate: Gate | None = None,
-               cors_allow_origins: tuple[str, ...] = ()) -> FastAPI:
+               cors_allow_origins: tuple[str, ...] = (), image_urls: ImageFetcher | None = None) -> FastAPI:
     """The ASGI app over ``backend`` (openai_api.py, responses_api.py, anthropic_api.py: what it accepts),
     behind ``gate`` (API keys, per-key limits, body size: gate.py) if given, and CORS for
     ``cors_allow_origins`` if any: outermost, so a preflight (which carries no key) is answered
-    before the gate, and the gate's own 401 / 429 reach the browser with CORS headers too."""
+    before the gate, and the gate's own 401 / 429 reach the browser with CORS headers too.
+    ``image_urls``: which remote image URLs are fetched (image_urls.py; default none)."""
     middleware = [] if not cors_allow_origins else [cors_middleware(cors_allow_origins)]
     middleware += [] if gate is None else [gate.middleware()]  # the first in the list is the outermost
     app = FastAPI(title="epd router", summary="OpenAI- and Anthropic-compatible front door of the epd cluster",
                   middleware=middleware)
-    routes = Routes(backend, served_model_names)
+    routes = Routes(backend, served_model_names, image_urls)
     app.router.route_class = CheckedRoute  # bodies are counted before FastAPI parses them
     app.add_api_route("/v1/chat/completions", routes.chat, methods=["POST"], response_model=None)
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)

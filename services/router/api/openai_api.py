@@ -195,7 +195,7 @@ def check_image_uri(url: str, param: str) -> str:
     match = _DATA_URI.fullmatch(url)
     if match is None:
         raise invalid(f"{param}: only data:image/<format>;base64,... URIs are accepted (the router "
-                      f"fetches no URLs); got {url[:40]!r}", param)
+                      f"fetches URLs only under its --allow-image-urls prefixes); got {url[:40]!r}", param)
     try:
         binascii.a2b_base64(match.group("data"), strict_mode=True)
     except binascii.Error as exc:

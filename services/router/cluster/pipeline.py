@@ -2,7 +2,9 @@
 
 ::
 
-    GenerateRequest --> (images: encoder) --> prefill: first token + KV handle
+    GenerateRequest --> (images: encoder, or skipped on a prefix hit; cluster/encoding.py)
+                    --> prefill (reads lent image rows; then their leases are released)
+                    --> prefill: first token + KV handle
                     --> decode: pulls the KV one-sided, streams tokens --> GenerateChunks
                           | the stream breaks (instance dead, unavailable, reset) or goes silent
                           | (no chunk, not even a heartbeat, for decode_idle_timeout_s)
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -28,18 +31,21 @@ import grpc
 import grpc.aio
 from tokenizers import Tokenizer as BackendTokenizer
 
-from kvstore.hashing import block_hashes, root_hash
+from kvstore.hashing import root_hash
 from services.common import metrics
-from services.common.errors import EPDError, InvalidRequestError, UnavailableError
-from services.common.grpc_errors import error_from_rpc, is_raised_by_server
+from services.common.errors import EmbeddingsMissingError, EPDError, UnavailableError
+from services.common.grpc_errors import error_from_rpc
 from services.common.retry import is_retryable, retry
 from services.common.tokenizer import Tokenizer
 from services.common.wire import (DecodeRequest, ImageInput, ModelInfo, PrefillResponse, RequestSpec, TokenChunk,
                                   decode_request_to_proto, model_info_from_proto, prefill_response_from_proto,
-                                  spec_to_proto, tensor_from_proto, token_chunk_from_proto)
-from services.pb import common_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc
+                                  spec_to_proto, token_chunk_from_proto)
+from services.pb import common_pb2, decode_pb2_grpc, encoder_pb2_grpc
 from services.pb import prefill_pb2, prefill_pb2_grpc
 from services.router.cluster.backend import GenerateChunk, GenerateRequest
+from services.router.cluster.encoding import (ENCODER_SKIPS, EmbeddingLeases, ImageMemo, encode, image_block_hashes,
+                                              last_image_block, widen)
+from services.router.cluster.handover import HandOver, stream_error
 from services.router.cluster.instances import Instance, InstancePool
 from services.router.cluster.membership import Change, Discovery, MembershipTable, StaticDiscovery
 from services.router.policies import Policy, RequestView, make_policy
@@ -89,6 +95,8 @@ class ClusterBackend:
         self.apply(self.membership.update("static", StaticDiscovery.of(prefill, decode, encoder).members))
         self.info: ModelInfo | None = None
         self.tokenizer: Tokenizer | None = None
+        self.memo = ImageMemo()
+        """What the router learnt of images (see cluster/encoding.py)."""
 
     @property
     def pools(self) -> tuple[InstancePool, ...]:
@@ -183,16 +191,17 @@ class ClusterBackend:
 
     # ----- a request -----------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        spec = await self._spec(request)
-        num_prompt = len(spec.prompt_token_ids)
-        view = RequestView(request.request_id, num_prompt, spec.params.max_tokens,
-                           self._block_hashes(spec) if self.prefills.policy.needs_block_hashes
-                           else ())
-        prefill, first = await self._prefill(spec, view)
-        handover = _HandOver(self, prefill, first.kv)
-        first_logprobs = (first.first_token_logprobs,) if first.first_token_logprobs is not None else ()
-        decoding = None if first.finish_reason is not None else self._decode(spec, view, handover, first)
+        leases, handover, decoding = EmbeddingLeases(), None, None
         try:
+            spec, view, prefill, first = await self._encode_and_prefill(request, leases)
+            # Held before anything else is awaited: a client gone from here on must not strand it.
+            handover = HandOver(prefill, first.kv)
+            await leases.release()  # the Prefill call ended: it read the lent rows
+            num_prompt = len(spec.prompt_token_ids)
+            # Decode gets the prompt's KV, not its images' rows (see serving/embeddings.py).
+            spec = dataclasses.replace(spec, images=tuple(i.without_embeddings() for i in spec.images))
+            first_logprobs = (first.first_token_logprobs,) if first.first_token_logprobs is not None else ()
+            decoding = None if first.finish_reason is not None else self._decode(spec, view, handover, first, request)
             yield GenerateChunk((first.first_token_id,), first.finish_reason, first.stop_reason,
                                 num_prompt, first.num_cached_tokens, first_logprobs)
             if decoding is None:
@@ -205,10 +214,12 @@ class ClusterBackend:
                 await decoding.aclose()
             # A KV handle no decode instance took (also when the client left before decoding
             # started: closing a generator that never ran runs none of its code).
-            await handover.release()
+            if handover is not None:
+                await handover.release()
+            await leases.release()  # the client left before the Prefill call ended
 
-    async def _decode(self, spec: RequestSpec, view: RequestView, handover: _HandOver,
-                      first: PrefillResponse) -> AsyncGenerator[TokenChunk, None]:
+    async def _decode(self, spec: RequestSpec, view: RequestView, handover: HandOver, first: PrefillResponse,
+                      request: GenerateRequest) -> AsyncGenerator[TokenChunk, None]:
         """The tokens after the first, from decode instances: when one's stream breaks or goes
         silent, the request moves to another with every token so far (up to ``max_migrations``
         times), so the chunks read as one stream."""
@@ -217,7 +228,9 @@ class ClusterBackend:
         reason = ""
         while True:
             instance = await self._pick_decode(view, failed, reason)
-            message = DecodeRequest(spec, tuple(output), handover.kv, first.num_cached_tokens,
+            rows = EmbeddingLeases()
+            resumed = await self._with_rows(request, spec, rows) if failed and spec.images else spec
+            message = DecodeRequest(resumed, tuple(output), handover.kv, first.num_cached_tokens,
                                     handover.instance.address, num_migrations=len(failed))
             try:
                 with self.decodes.using(instance):
@@ -226,6 +239,7 @@ class ClusterBackend:
                             # The instance has the request: it read the KV (or recomputes) and
                             # releases the lease itself.
                             handover.taken()
+                            await rows.release()  # (read before its first token; a no-op once done)
                             self.decodes.succeeded(instance)
                             output += chunk.token_ids
                             yield chunk
@@ -234,7 +248,8 @@ class ClusterBackend:
                 raise UnavailableError(f"decode instance {instance.address} ended the stream "
                                        "without a finish_reason")
             except UnavailableError as exc:
-                self.decodes.failed(instance)
+                if not isinstance(exc, EmbeddingsMissingError):  # that one only lacked the rows
+                    self.decodes.failed(instance)
                 failed.append(instance.address)
                 reason = "silent" if isinstance(exc, StreamSilent) else "broken"
                 await handover.release()  # never reused: the failed instance may have released it
@@ -245,6 +260,20 @@ class ClusterBackend:
                 MIGRATIONS.labels(reason, "moved").inc()
                 logger.warning("decode stream of %s on %s %s (%s) after %d tokens: moving it",
                                spec.request_id, instance.address, reason, exc, len(output))
+            finally:
+                await rows.release()
+
+    async def _with_rows(self, request: GenerateRequest, spec: RequestSpec, leases: EmbeddingLeases) -> RequestSpec:
+        """A moved request's spec with its images' rows (lent again; likely an encoder-cache hit):
+        its new decode instance computes whatever the KV store lacks, image positions included.
+        Without an encoder to answer, the spec as it was (the store may hold it all)."""
+        try:
+            encoded, _ = await encode(self.encoders, request, leases, self.memo, self.stage_timeout_s)
+        except EPDError as exc:
+            logger.warning("%s moves on without its images' rows: %s", spec.request_id, exc)
+            return spec
+        with_rows = widen(request, [ImageInput(e.image_hash, 0, e.embeddings, e.remote) for e in encoded])
+        return dataclasses.replace(spec, images=with_rows.images)
 
     async def _pick_decode(self, view: RequestView, failed: list[str], reason: str):
         """A decode instance for the request; one it ``failed`` on only when no other is left.
@@ -274,13 +303,57 @@ class ClusterBackend:
                 except TimeoutError:
                     raise StreamSilent(f"nothing for {self.decode_idle_timeout_s:g} s") from None
                 except grpc.aio.AioRpcError as exc:
-                    raise _stream_error(exc) from exc
+                    raise stream_error(exc) from exc
                 if chunk is grpc.aio.EOF:
                     return
                 if chunk.token_ids or chunk.finish_reason:
                     yield token_chunk_from_proto(chunk)
         finally:
             call.cancel()
+
+    async def _encode_and_prefill(self, request: GenerateRequest, leases: EmbeddingLeases):
+        """(spec, view, prefill instance, its reply): the images encoded, or the encoder skipped
+        when their KV is a prefix hit; prefill lacking rows it needs (the hit evicted, a dead
+        encoder's rows) gets the request again with the images encoded (elsewhere)."""
+        if request.images and (spec := self._skip_encoder(request)) is not None:
+            view = self._view(spec)
+            try:
+                return (spec, view, *await self._prefill(spec, view))
+            except EmbeddingsMissingError as exc:
+                ENCODER_SKIPS.labels("evicted").inc()
+                logger.info("%s: the images' KV was not where the router thought (%s): encoding them", spec.request_id, exc)
+        avoid: list[str] = []
+        while True:
+            spec, encoder = await self._spec(request, leases, avoid)
+            view = self._view(spec)
+            try:
+                prefill, first = await self._prefill(spec, view)
+            except EmbeddingsMissingError:
+                if avoid or not encoder:
+                    raise
+                avoid.append(encoder)  # its lent rows were unreadable: it may be gone
+                await leases.release()
+                continue
+            if spec.images and (index := last_image_block(spec, self.info.block_size)) is not None:
+                self.memo.prefilled(self._block_hashes(spec)[index])
+            return spec, view, prefill, first
+
+    def _skip_encoder(self, request: GenerateRequest) -> RequestSpec | None:
+        """The spec without rows when every image is known and the blocks through the last one
+        were prefilled before (their KV is in a prefix cache or the store); else None."""
+        known = self.memo.known(request.images)
+        if known is None:
+            return None
+        spec = widen(request, [ImageInput(k.image_hash, 0, num_rows=k.num_rows) for k in known])
+        index = last_image_block(spec, self.info.block_size)
+        if index is None or not self.memo.was_prefilled(self._block_hashes(spec)[index]):
+            return None
+        ENCODER_SKIPS.labels("skipped").inc()
+        return spec
+
+    def _view(self, spec: RequestSpec) -> RequestView:
+        return RequestView(spec.request_id, len(spec.prompt_token_ids), spec.params.max_tokens,
+                           self._block_hashes(spec) if self.prefills.policy.needs_block_hashes else ())
 
     async def _prefill(self, spec: RequestSpec, view: RequestView) -> tuple[Instance, PrefillResponse]:
         """(instance, its reply); another instance is tried when one is unavailable. The
@@ -296,7 +369,8 @@ class ClusterBackend:
                     reply = await instance.stub.Prefill(message, timeout=self.stage_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 error = error_from_rpc(exc)
-                if error.retryable or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                is_instance_fault = error.retryable and not isinstance(error, EmbeddingsMissingError)
+                if is_instance_fault or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     self.prefills.failed(instance)
                 raise error from exc
             finally:
@@ -304,94 +378,22 @@ class ClusterBackend:
             self.prefills.succeeded(instance)
             return instance, prefill_response_from_proto(reply)
 
-        return await retry(attempt, retry_on=is_retryable, attempts=max(2, len(self.prefills)))
+        return await retry(attempt, retry_on=lambda e: is_retryable(e) and not isinstance(e, EmbeddingsMissingError),
+                           attempts=max(2, len(self.prefills)))
 
-    async def _release(self, instance, lease_id: str) -> None:
-        try:
-            await instance.stub.Release(prefill_pb2.ReleaseRequest(lease_id=lease_id), timeout=5.0)
-        except grpc.aio.AioRpcError as exc:  # the lease expires on its own
-            logger.warning("could not release lease %s at %s: %s", lease_id, instance.address, exc.details())
-
-    async def _spec(self, request: GenerateRequest) -> RequestSpec:
-        """The wire spec; each image's single placeholder becomes one token per embedding row."""
+    async def _spec(self, request: GenerateRequest, leases: EmbeddingLeases,
+                    avoid: list[str]) -> tuple[RequestSpec, str]:
+        """The wire spec with every image encoded (each placeholder widened to its rows), and
+        the encoder's address ("" without images)."""
         keys = dict(cache_salt=request.cache_salt, request_class=request.request_class)
         if not request.images:
-            return RequestSpec(request.request_id, request.prompt_token_ids, request.params, **keys)
-        embeddings = await self._encode_images(request)
-        token_ids = list(request.prompt_token_ids)
-        images = []
-        shift = 0
-        for position, (image_hash, tensor) in sorted(zip(request.image_positions, embeddings)):
-            start = position + shift
-            num_rows = tensor.shape[0]
-            token_ids[start:start + 1] = [token_ids[start]] * num_rows
-            images.append(ImageInput(image_hash, start, tensor))
-            shift += num_rows - 1
-        return RequestSpec(request.request_id, tuple(token_ids), request.params, tuple(images), **keys)
+            return RequestSpec(request.request_id, request.prompt_token_ids, request.params, **keys), ""
+        encoded, address = await encode(self.encoders, request, leases, self.memo, self.stage_timeout_s, avoid)
+        return widen(request, [ImageInput(e.image_hash, 0, e.embeddings, e.remote) for e in encoded]), address
 
     def _block_hashes(self, spec: RequestSpec) -> tuple[bytes, ...]:
-        """The prompt's block hashes for cache-aware routing (the router's own root: they only
-        need to agree with each other)."""
+        """The prompt's block hashes for cache-aware routing and the image memo (the router's own
+        root: they only need to agree with each other), images' hashes among their keys."""
         root = root_hash(model=self.info.model_name, block_size=self.info.block_size, dtype="router",
                          salt=spec.cache_salt)
-        return tuple(block_hashes(list(spec.prompt_token_ids), self.info.block_size, root))
-
-    async def _encode_images(self, request: GenerateRequest) -> list[tuple[bytes, object]]:
-        """Every image's (hash, embeddings); another encoder is tried when one is unavailable."""
-        if not self.encoders:
-            raise InvalidRequestError("this deployment has no encoder: images are not supported")
-        view = RequestView(request.request_id, len(request.prompt_token_ids), num_patches=len(request.images))
-        message = encoder_pb2.EncodeRequest(images=list(request.images))
-        failed: list[str] = []
-
-        async def attempt():
-            instance = self.encoders.pick(view, arrival=not failed, avoid=failed)
-            try:
-                with self.encoders.using(instance):
-                    reply = await instance.stub.Encode(message, timeout=self.stage_timeout_s)
-            except grpc.aio.AioRpcError as exc:
-                error = error_from_rpc(exc)
-                if error.retryable or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    self.encoders.failed(instance)
-                    failed.append(instance.address)
-                raise error from exc
-            self.encoders.succeeded(instance)
-            return reply
-
-        reply = await retry(attempt, retry_on=is_retryable, attempts=max(2, len(self.encoders)))
-        return [(image.image_hash, tensor_from_proto(image.embeddings)) for image in reply.images]
-
-
-class _HandOver:
-    """The KV handle a prefill instance left for decode. Until a decode instance took it (its
-    first chunk) or it is released, the prefill instance counts the request as in flight, so
-    it does not leave the pool (membership) while decode may still read from it."""
-
-    def __init__(self, backend: ClusterBackend, instance: Instance, kv) -> None:
-        self.backend, self.instance, self.kv = backend, instance, kv
-        if kv is not None:
-            instance.num_in_flight += 1
-
-    def taken(self) -> None:
-        if self.kv is not None:
-            self.kv = None
-            self.instance.num_in_flight -= 1
-
-    async def release(self) -> None:
-        if self.kv is not None:
-            lease_id = self.kv.lease_id
-            self.taken()
-            await self.backend._release(self.instance, lease_id)
-
-
-def _stream_error(exc: grpc.aio.AioRpcError) -> EPDError:
-    """What a failed decode stream means for its request. A status the instance chose (an
-    EPDError it raised: its class rides in the trailing metadata) is the request's own; a
-    transport failure (UNAVAILABLE, or the UNKNOWN / INTERNAL / CANCELLED of a stream cut by a
-    dying process, "Stream removed") is the instance's, and the request moves on."""
-    error = error_from_rpc(exc)
-    is_cut = (exc.code() in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED)
-              and not is_raised_by_server(exc))
-    if is_cut and not error.retryable:
-        return UnavailableError(f"the stream broke: {exc.code().name} {exc.details() or ''}".strip())
-    return error
+        return tuple(image_block_hashes(spec, self.info.block_size, root))

@@ -82,3 +82,34 @@ def test_decode_request_round_trips(request_):
 ])
 def test_token_chunk_round_trips(chunk):
     assert wire.token_chunk_from_proto(wire.token_chunk_to_proto(chunk)) == chunk
+
+
+REMOTE = wire.RemoteEmbeddings(
+    KVHandle("lease-e", Endpoint("host-e", "127.0.0.1:7001"), (RegionDesc("emb", "/dev/shm/epd-kv-2-emb", 1 << 20),),
+             (BlockDesc("emb", 0, 65536, 11), BlockDesc("emb", 131072, 96, 12))), (257, 64), "bfloat16")
+
+
+@pytest.mark.parametrize("image", [
+    wire.ImageInput(b"\x02" * 32, 5, remote=REMOTE),
+    wire.ImageInput(b"\x03" * 32, 0, num_rows=196),
+    wire.ImageInput(b"\x04" * 32, 9, wire.TensorBytes((1, 2), "float32", bytes(8)), num_rows=1),
+])
+def test_image_inputs_round_trip_inline_remote_or_hash_only(image):
+    assert wire.image_from_proto(wire.image_to_proto(image)) == image
+    spec = wire.RequestSpec("r2", (1,) * 300, SamplingParams(), (image,))
+    assert wire.spec_from_proto(wire.spec_to_proto(spec)) == spec
+
+
+def test_image_rows_and_the_readers_view_without_embeddings():
+    assert wire.ImageInput(b"h", 5, remote=REMOTE).rows == 257
+    assert wire.ImageInput(b"h", 5, wire.TensorBytes((3, 2), "float32", bytes(24))).rows == 3
+    bare = wire.ImageInput(b"h", 5, remote=REMOTE).without_embeddings()
+    assert bare == wire.ImageInput(b"h", 5, num_rows=257) and bare.rows == 257
+
+
+@pytest.mark.parametrize("encoded", [
+    wire.EncodedImage(b"\x05" * 32, remote=REMOTE, is_cached=True),
+    wire.EncodedImage(b"\x06" * 32, wire.TensorBytes((2, 2), "float32", bytes(16))),
+])
+def test_encoded_images_round_trip(encoded):
+    assert wire.encoded_image_from_proto(wire.encoded_image_to_proto(encoded)) == encoded
