@@ -251,12 +251,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transport", choices=("shm", "tcp"), default="shm")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true", help="small buckets, 2 reps: checks the shape only")
+    parser.add_argument("--trace", type=Path, default=TRACE,
+                        help="JSON lines with image_tokens per request (default: the shared ServeGen trace)")
     args = parser.parse_args(argv)
+    if not args.trace.is_file():
+        parser.error(f"no trace at {args.trace}: pass --trace FILE (JSON lines with an image_tokens list)")
     buckets = BUCKETS
     if args.quick:
         args.reps, args.batch, buckets = 1, 2, BUCKETS[:1]
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    counts, images_per_request = trace_mix(TRACE)
+    counts, images_per_request = trace_mix(args.trace)
     owner = TransferEngine(transports=(args.transport,))
     reader = TransferEngine(transports=(args.transport,))
     exporter = EmbeddingExporter(owner, 256 << 20, lease_ttl_s=600)

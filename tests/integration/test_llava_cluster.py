@@ -88,7 +88,7 @@ def messages(uri: str, text: str = "What is in this picture?") -> list[dict]:
     return [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": uri}}]}]
 
 
-def router_prompt(llava_dir, uri: str) -> tuple[list[int], int]:
+def router_prompt(llava_dir, uri: str, tower: str = "clip") -> tuple[list[int], int]:
     """The chat's prompt as the router builds it (template, placeholder), the placeholder
     widened to the model's rows; and the image's position."""
     tokenizer = Tokenizer.from_file(llava_dir / "tokenizer.json", json.loads((llava_dir / "tokenizer_config.json").read_text()))
@@ -96,14 +96,14 @@ def router_prompt(llava_dir, uri: str) -> tuple[list[int], int]:
     prompt = chat_prompt([ChatMessage(**m) for m in messages(uri)], tokenizer, image_token_id)
     [position] = prompt.image_positions
     ids = list(prompt.token_ids)
-    ids[position:position + 1] = [image_token_id] * NUM_IMAGE_TOKENS["clip"]
+    ids[position:position + 1] = [image_token_id] * NUM_IMAGE_TOKENS[tower]
     return ids, position
 
 
-def transformers_greedy(llava_dir, uri: str, n: int) -> list[int]:
+def transformers_greedy(llava_dir, uri: str, n: int, tower: str = "clip") -> list[int]:
     """transformers' greedy tokens for the router's prompt and the processor's pixels."""
     hf = transformers.LlavaForConditionalGeneration.from_pretrained(llava_dir, dtype=torch.float32).eval()
-    ids, _ = router_prompt(llava_dir, uri)
+    ids, _ = router_prompt(llava_dir, uri, tower)
     processor = transformers.AutoImageProcessor.from_pretrained(llava_dir, backend="pil")
     pixels = processor(images=to_rgb(decode_data_uri(uri)), return_tensors="pt")["pixel_values"]
     with torch.no_grad():
@@ -139,6 +139,19 @@ def test_greedy_equals_transformers_with_three_encoders_and_with_one(cluster, ll
     assert len(cluster.addresses("encoder")) == 1
     for uri, tokens in zip(uris, expected):  # one encoder left; the dead ones are tried and skipped
         assert served(client, uri)[0] == tokens
+
+
+def test_a_siglip_llava_through_the_cluster_equals_transformers(tmp_path_factory, smollm2_dir):
+    """The other tower family (SigLIP, every patch kept, two feature layers; a Qwen2 language
+    model), served by one encoder, prefill and decode: 32 greedy tokens as transformers'."""
+    siglip_dir = make_tiny_llava_dir(tmp_path_factory.mktemp("siglip") / MODEL, "siglip", seed=6,
+                                     tokenizer_dir=smollm2_dir)
+    uris = [png_data_uri(seed) for seed in (21, 22)]
+    expected = [transformers_greedy(siglip_dir, uri, 32, "siglip") for uri in uris]
+    with running_cluster(str(siglip_dir), encoders=1, prefills=1, decodes=1, kv_cache_gib=0.05,
+                         device="cpu") as running:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused")
+        assert [served(client, uri)[0] for uri in uris] == expected
 
 
 def _post(cluster, path: str, body: dict) -> httpx.Response:
