@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -381,7 +382,12 @@ class _Supervision:
 
 
 async def run(config: UpConfig) -> int:
-    cluster = Cluster(config)
+    return await serve(Cluster(config), announce)
+
+
+async def serve(cluster: Cluster, announce: Callable[[Cluster, str], None]) -> int:
+    """Start ``cluster``, ``announce`` it, supervise until SIGINT / SIGTERM, stop it; the exit
+    status. Ctrl-C while it starts stops it too. (services.ray_cluster serves its cluster here.)"""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -393,21 +399,7 @@ async def run(config: UpConfig) -> int:
         if not starting.done():
             starting.cancel()
             return 0
-        url = starting.result()
-        for child in cluster.children:
-            print(f"  {child.name:<10} {child.address}  (pid {child.process.pid})", flush=True)
-        print(f"  admin API  http://127.0.0.1:{config.admin_port}/admin/  token {cluster.admin_token}"
-              f"  (export EPD_ROUTER_ADMIN_TOKEN=... for epd admin)", flush=True)
-        if cluster.needs_keys:
-            print("  API keys   required: Authorization: Bearer KEY or x-api-key: KEY"
-                  "  (epd admin keys create TENANT adds one)", flush=True)
-        elif cluster.needs_keys is None:
-            print("  API keys   unknown: the router did not answer GET /v1/models", flush=True)
-        else:
-            print(f"  API keys   none: the API is open to anyone who can reach {config.host}"
-                  "  (add some: --api-key KEY, or --api-keys FILE / --redis URL and epd admin keys create)", flush=True)
-        print(f"epd is up: {url}/v1  (OpenAI API; a process that dies is restarted; Ctrl-C stops everything)",
-              flush=True)
+        announce(cluster, starting.result())
         await cluster.supervise(stop)
         return 0
     except ChildFailed as exc:
@@ -415,6 +407,24 @@ async def run(config: UpConfig) -> int:
         return 1
     finally:
         await asyncio.to_thread(cluster.stop)
+
+
+def announce(cluster: Cluster, url: str) -> None:
+    config = cluster.config
+    for child in cluster.children:
+        print(f"  {child.name:<10} {child.address}  (pid {child.process.pid})", flush=True)
+    print(f"  admin API  http://127.0.0.1:{config.admin_port}/admin/  token {cluster.admin_token}"
+          f"  (export EPD_ROUTER_ADMIN_TOKEN=... for epd admin)", flush=True)
+    if cluster.needs_keys:
+        print("  API keys   required: Authorization: Bearer KEY or x-api-key: KEY"
+              "  (epd admin keys create TENANT adds one)", flush=True)
+    elif cluster.needs_keys is None:
+        print("  API keys   unknown: the router did not answer GET /v1/models", flush=True)
+    else:
+        print(f"  API keys   none: the API is open to anyone who can reach {config.host}"
+              "  (add some: --api-key KEY, or --api-keys FILE / --redis URL and epd admin keys create)", flush=True)
+    print(f"epd is up: {url}/v1  (OpenAI API; a process that dies is restarted; Ctrl-C stops everything)",
+          flush=True)
 
 
 def parse(argv: list[str] | None = None) -> UpConfig:

@@ -11,11 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import sys
 
-from services.launcher import UpConfig
-from services.supervisor import ChildFailed
+from services.launcher import UpConfig, serve
 
 logger = logging.getLogger("epd.ray")
 
@@ -65,30 +63,13 @@ async def run(config: UpConfig, node_id: str) -> int:
 
     from services.ray_cluster.cluster import RayCluster
 
-    cluster = RayCluster(config, ray.cluster_resources(), node_id)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        starting = asyncio.ensure_future(cluster.start())
-        stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
-        if not starting.done():
-            starting.cancel()
-            return 0
-        url = starting.result()
+    def announce(cluster: RayCluster, url: str) -> None:
         banner(cluster)
         print(f"epd is up on Ray: {url}/v1  (OpenAI API; Ray restarts what dies; Ctrl-C stops every actor)",
               flush=True)
-        await cluster.supervise(stop)
-        return 0
-    except ChildFailed as exc:
-        logger.error("%s: stopping the cluster", exc)
-        return 1
+
+    try:
+        return await serve(RayCluster(config, ray.cluster_resources(), node_id), announce)
     finally:
-        try:
-            await asyncio.to_thread(cluster.stop)
-        finally:
-            ray.shutdown()
+        ray.shutdown()
         print("epd on Ray stopped: every actor and placement group it started is gone", flush=True)
