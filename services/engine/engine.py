@@ -254,21 +254,15 @@ class LLMEngine:
         return outputs
 
     def _add_tokens(self, seq: Sequence, state: OutputState, num_new: int, logprobs: list) -> None:
-        """The step's last ``num_new`` tokens into the output, one at a time: a stop string
-        ends the request at its token, and the tokens after it (verified drafts) are dropped."""
-        first = len(seq.token_ids) - num_new
-        for i in range(num_new):
-            is_last = i == num_new - 1
-            # The EOS or stop token that ended a request is kept in token_ids but not in the text.
-            is_stop_token = is_last and seq.is_finished and seq.finish_reason is FinishReason.STOP
-            stop = state.add_token(seq.token_ids[first + i], logprobs[i], has_text=not is_stop_token)
-            if stop is not None:
-                del seq.token_ids[first + i + 1:]
-                if seq.is_finished:  # by a later token of the same step (EOS), already released
-                    seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
-                else:
-                    self.scheduler.finish(seq, FinishReason.STOP, stop_reason=stop)
-                return
+        """The step's new tokens into the output; a stop string ends the request at its token."""
+        if (hit := state.add_tokens(num_new, logprobs)) is None:
+            return
+        num_taken, stop = hit
+        del seq.token_ids[len(seq.token_ids) - num_new + num_taken:]  # verified drafts after it
+        if seq.is_finished:  # by a later token of the same step (EOS), already released
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
+        else:
+            self.scheduler.finish(seq, FinishReason.STOP, stop_reason=stop)
 
     def _count_drafts(self) -> None:
         sched = self.scheduler

@@ -59,6 +59,20 @@ class OutputState:
             return None
         return self.text_state.add(token_id)
 
+    def add_tokens(self, num_new: int, logprobs: list) -> tuple[int, str] | None:
+        """The sequence's last ``num_new`` tokens (one step's: one, or verified drafts and the
+        token after them), one at a time until a stop string matches; then how many were taken
+        (the rest must be dropped) and the stop string."""
+        seq = self.seq
+        first = len(seq.token_ids) - num_new
+        for i in range(num_new):
+            # The EOS or stop token that ended a request is kept in token_ids but not in the text.
+            is_stop_token = i == num_new - 1 and seq.is_finished and seq.finish_reason is FinishReason.STOP
+            stop = self.add_token(seq.token_ids[first + i], logprobs[i], has_text=not is_stop_token)
+            if stop is not None:
+                return i + 1, stop
+        return None
+
     def finish(self) -> None:
         if self.text_state is not None:
             self.text_state.finish()

@@ -211,3 +211,26 @@ def test_smollm2_repeating_code_keeps_most_drafts_and_the_greedy_answer(smollm2_
                                                                         engine.num_draft_tokens)
     got += spec.chat(chats[2:], params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_a_stop_string_inside_a_run_of_kept_drafts_ends_the_answer_there(tiny_chat_model_dir):
+    """The text after a stop string is dropped even when the tokens after it arrived in the
+    same verify step: the answer, its tokens and its reason are the plain engine's."""
+    plain = LLM(str(tiny_chat_model_dir), num_kv_blocks=512)
+    spec = LLM(str(tiny_chat_model_dir), num_kv_blocks=512, speculative_config=SPEC)
+    prompts = [phrase * 4 for phrase in random_prompts(4, [6, 9, 11, 14], vocab=49152, seed=8)]
+    free_run = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    num_checked = 0
+    for prompt, ref in zip(prompts, free_run):
+        stop = ref.text[len(ref.text) // 2:len(ref.text) // 2 + 3]
+        if not stop.strip():
+            continue
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+        want = plain.generate([prompt], params)[0]
+        got = spec.generate([prompt], params)[0]
+        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == \
+            (want.text, want.token_ids, want.finish_reason, want.stop_reason)
+        assert got.finish_reason == "stop" and got.stop_reason == stop
+        num_checked += 1
+    assert num_checked >= 2 and spec.engine.num_accepted_tokens > 0
+    assert spec.engine.block_manager.num_free_blocks == spec.engine.block_manager.num_blocks
