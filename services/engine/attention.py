@@ -31,6 +31,7 @@ positions past a sequence's length inside its last block are masked out.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,34 @@ from services.engine.kernels.cpu import CpuKernels
 
 if TYPE_CHECKING:  # imports triton: only where chosen (services.engine.kernels.select)
     from services.engine.kernels.triton_attention import TritonKernels
+
+
+class BlockTable:
+    """A request's block ids, kept by the runner from step to step: a list (per-token slots)
+    and a tensor mirror (the kernels' padded tables), both changed only where the scheduler
+    says they changed, so a step's tables cost nothing per block of a long context."""
+
+    def __init__(self, block_ids: Sequence[int] = ()) -> None:
+        self.ids: list[int] = list(block_ids)
+        self._mirror = torch.tensor(self.ids or [0], dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def update(self, num_kept: int, new_ids: Sequence[int]) -> None:
+        """Keep the first ``num_kept`` entries, then append ``new_ids``."""
+        del self.ids[num_kept:]
+        self.ids.extend(new_ids)
+        if len(self.ids) > len(self._mirror):
+            grown = torch.empty(max(len(self.ids), 2 * len(self._mirror)), dtype=torch.long)
+            grown[:num_kept] = self._mirror[:num_kept]
+            self._mirror = grown
+        if new_ids:
+            self._mirror[num_kept:len(self.ids)] = torch.tensor(new_ids, dtype=torch.long)
+
+    def tensor(self, num_blocks: int) -> torch.Tensor:
+        """The first ``num_blocks`` ids (a CPU view: read it before the next update)."""
+        return self._mirror[:num_blocks]
 
 
 @dataclass
@@ -127,10 +156,10 @@ class AttentionMetadata:
         return self.layer_offset(layer, 0) * self.block_size, self.layer_offset(layer, 1) * self.block_size
 
 
-def build_metadata(chunks: list[tuple[int, int, list[int]]], block_size: int, num_layers: int,
-                   device: torch.device, kernels: CpuKernels | TritonKernels | None = None,
+def build_metadata(chunks: list[tuple[int, int, BlockTable | Sequence[int]]], block_size: int,
+                   num_layers: int, device: torch.device, kernels: CpuKernels | TritonKernels | None = None,
                    batch_invariant: bool = False) -> AttentionMetadata:
-    """``chunks``: (start_position, num_new_tokens, block_table) per sequence, in batch order.
+    """``chunks``: (start_position, num_new_tokens, block table) per sequence, in batch order.
     With ``kernels`` (the CPU's or the Triton ones), single-token decodes go to them as one
     :class:`DecodeBatch` and continued chunks as one :class:`PrefillBatch`; fresh prompts stay spans.
 
@@ -140,20 +169,22 @@ def build_metadata(chunks: list[tuple[int, int, list[int]]], block_size: int, nu
     stride = 2 * num_layers  # block rows per block
     slot_rows: list[int] = []
     spans: list[Span] = []
-    continued: list[tuple[int, int, int, list[int]]] = []  # token_start, n, start, context blocks
+    continued: list[tuple[int, int, int, BlockTable, int]] = []  # token_start, n, start, table, context blocks
     dec_index: list[int] = []
-    dec_tables: list[list[int]] = []
+    dec_tables: list[tuple[BlockTable, int]] = []
     dec_lengths: list[int] = []
     token_start = 0
     for start, n, table in chunks:
-        slot_rows.extend(table[p // block_size] * stride * block_size + p % block_size
+        table = table if isinstance(table, BlockTable) else BlockTable(table)
+        ids = table.ids
+        slot_rows.extend(ids[p // block_size] * stride * block_size + p % block_size
                          for p in range(start, start + n))
         num_ctx_blocks = -(-(start + n) // block_size)
         if batch_invariant:
-            continued.append((token_start, n, start, table[:num_ctx_blocks]))
+            continued.append((token_start, n, start, table, num_ctx_blocks))
         elif n == 1 and start > 0:
             dec_index.append(token_start)
-            dec_tables.append(table[:num_ctx_blocks])
+            dec_tables.append((table, num_ctx_blocks))
             dec_lengths.append(start + 1)
         elif start == 0:
             # Fresh prompts attend with torch's SDPA even where kernels exist: it is what
@@ -161,43 +192,44 @@ def build_metadata(chunks: list[tuple[int, int, list[int]]], block_size: int, nu
             # SmolLM2 is about fp32's own rounding there; another summation order lands near it).
             spans.append(Span(token_start, n, None, None))
         else:
-            continued.append((token_start, n, start, table[:num_ctx_blocks]))
+            continued.append((token_start, n, start, table, num_ctx_blocks))
         token_start += n
 
     def long(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    def padded(tables: list[list[int]]) -> torch.Tensor:
-        width = max(map(len, tables))
-        return long([t + [0] * (width - len(t)) for t in tables])
+    def padded(tables: list[tuple[BlockTable, int]]) -> torch.Tensor:
+        out = torch.zeros(len(tables), max(n for _, n in tables), dtype=torch.long)
+        for row, (table, n) in zip(out, tables):
+            row[:n] = table.tensor(n)
+        return out.to(device)
 
     if kernels is not None:
         decode_batch = prefill_batch = None
         if dec_index:
             decode_batch = DecodeBatch(long(dec_index), padded(dec_tables), long(dec_lengths))
         if continued:
-            prefill_batch = PrefillBatch(long([c[:3] for c in continued]), padded([c[3] for c in continued]))
+            prefill_batch = PrefillBatch(long([c[:3] for c in continued]), padded([c[3:] for c in continued]))
         return AttentionMetadata(num_layers, block_size, long(slot_rows), spans, [], kernels, decode_batch,
                                  prefill_batch, batch_invariant=batch_invariant)
-    spans += [_continued_span(token_start, n, start, blocks, block_size, stride, device)
-              for token_start, n, start, blocks in continued]
+    spans += [_continued_span(token_start, n, start, padded([(table, blocks)])[0], block_size, stride, device)
+              for token_start, n, start, table, blocks in continued]
     groups = []
     for members in _group_by_length(dec_lengths):
-        tables = [dec_tables[i] for i in members]
-        max_blocks = max(map(len, tables))
         # Padding reads block row 0 (a real block) and is masked out.
-        blocks = long([[b * stride for b in t] + [0] * (max_blocks - len(t)) for t in tables]).view(-1)
-        positions = torch.arange(max_blocks * block_size, device=device)
+        tables = padded([dec_tables[i] for i in members])
+        positions = torch.arange(tables.shape[1] * block_size, device=device)
         mask = positions[None, :] < long([dec_lengths[i] for i in members])[:, None]
-        groups.append(DecodeGroup(long([dec_index[i] for i in members]), blocks, mask[:, None, None, :]))
+        groups.append(DecodeGroup(long([dec_index[i] for i in members]), (tables * stride).view(-1),
+                                  mask[:, None, None, :]))
     return AttentionMetadata(num_layers, block_size, long(slot_rows), spans, groups)
 
 
-def _continued_span(token_start: int, n: int, start: int, blocks: list[int], block_size: int,
+def _continued_span(token_start: int, n: int, start: int, blocks: torch.Tensor, block_size: int,
                     stride: int, device: torch.device) -> Span:
     q_pos = torch.arange(start, start + n, device=device)
     mask = torch.arange(len(blocks) * block_size, device=device)[None, :] <= q_pos[:, None]
-    return Span(token_start, n, torch.tensor([b * stride for b in blocks], device=device), mask)
+    return Span(token_start, n, blocks * stride, mask)
 
 
 def _group_by_length(lengths: list[int], max_ratio: float = 1.3, max_groups: int = 6) -> list[list[int]]:

@@ -1,8 +1,9 @@
 """Runs one scheduled step on the model: the only engine part that touches torch tensors.
 
 It receives a :class:`SchedulerOutput` and nothing else (STYLE rule 3), owns the model, the
-KV block pool and per-request sampler state (seeded generators, grammar matchers), and returns
-the sampled tokens. It knows nothing of queues or of how blocks were chosen.
+KV block pool and per-request state (tokens, block table, seeded generator, grammar matcher;
+a request's first chunk brings it, later chunks only their changes), and returns the sampled
+tokens. It knows nothing of queues or of how blocks were chosen.
 """
 
 from __future__ import annotations
@@ -15,20 +16,35 @@ from dataclasses import dataclass
 import torch
 
 from services.common.config import check
-from services.engine.attention import AttentionMetadata, build_metadata
+from services.engine.attention import AttentionMetadata, BlockTable, build_metadata
 from services.engine.grammar import GrammarMatchers
 from services.engine.kernels import select as kernel_select
 from services.engine.models.config import ModelConfig
 from services.engine.models.llama import LlamaForCausalLM, rope_inv_freq
 from services.common.sampling_params import TokenLogprobs
 from services.engine.sampler import Sampler, SamplingRow
-from services.engine.scheduler import SchedulerOutput
+from services.engine.scheduler import NewRequest, ScheduledChunk, SchedulerOutput
 from services.engine.sequence import BlockId, RequestId
 
 
 MAX_PACKED_ROWS = 64
 """Most rows a step with speculative drafts multiplies by the packed weights (decode-only steps
 always do, up to max_num_seqs rows); more go to MKL, faster for many rows."""
+
+
+class RequestState:
+    """What the runner holds of a request between steps."""
+
+    def __init__(self, new: NewRequest) -> None:
+        self.params = new.params
+        self.grammar = new.grammar
+        self.prompt_token_ids = new.prompt_token_ids
+        self.output_token_ids = list(new.output_token_ids)
+        self.block_table = BlockTable()
+
+    def update(self, chunk: ScheduledChunk) -> None:
+        self.output_token_ids.extend(chunk.new_token_ids)
+        self.block_table.update(chunk.num_kept_blocks, chunk.new_block_ids)
 
 
 @dataclass
@@ -112,38 +128,42 @@ class ModelRunner:
               f"runs {self.attention_backend} attention on {device}/{str(dtype).removeprefix('torch.')}")
         self.batch_invariant = batch_invariant
         self.sampler = Sampler()
+        self._requests: dict[RequestId, RequestState] = {}
         self._generators: dict[RequestId, torch.Generator] = {}
         self.grammars = GrammarMatchers(cfg.vocab_size)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in out.finished_request_ids:
+            self._requests.pop(request_id, None)
             self._generators.pop(request_id, None)
             self.grammars.drop(request_id)
+        states = [self._state(chunk) for chunk in out.chunks]
         if not out.chunks:
             return ModelRunnerOutput({}, {})
         # A verify step is a decode step with a few more rows: the packed product still wins there.
         is_verify_step = out.num_tokens <= MAX_PACKED_ROWS and all(
             len(c.token_ids) == 1 + len(c.draft_token_ids) and c.start_position > 0 for c in out.chunks)
-        hidden, meta = self._forward([(c.start_position, c.token_ids, c.block_table) for c in out.chunks],
-                                     [c.mm_embeds for c in out.chunks], is_verify_step)
+        hidden, meta = self._forward(
+            [(c.start_position, c.token_ids, state.block_table) for c, state in zip(out.chunks, states)],
+            [c.mm_embeds for c in out.chunks], is_verify_step)
         sample_rows, rows, ids, constrained, verifying = [], [], [], [], []
         end = 0
-        for chunk in out.chunks:
+        for chunk, state in zip(out.chunks, states):
             end += len(chunk.token_ids)
             if not chunk.samples:
                 continue
             drafts = chunk.draft_token_ids
             is_grammar_done = False
-            if chunk.grammar is not None:  # never drafted for (scheduler.py)
-                matcher = self.grammars.matcher(chunk.request_id, chunk.grammar, chunk.output_token_ids)
+            if state.grammar is not None:  # never drafted for (scheduler.py)
+                matcher = self.grammars.matcher(chunk.request_id, state.grammar, state.output_token_ids)
                 constrained.append((len(rows), matcher))
                 is_grammar_done = matcher.is_stopped()
             # A chunk with k drafts samples at its last k + 1 positions, each as a plain step
             # would after the drafts before it (speculative.py).
             for j in range(len(drafts) + 1):
                 sample_rows.append(end - 1 - len(drafts) + j)
-                rows.append(self._sampling_row(chunk, is_grammar_done, drafts[:j]))
+                rows.append(self._sampling_row(chunk.request_id, state, is_grammar_done, drafts[:j]))
                 ids.append(chunk.request_id)
             verifying.append((chunk.request_id, drafts, rows[-1].generator))
         if not rows:
@@ -157,6 +177,14 @@ class ModelRunner:
         if constrained:
             self.grammars.accept(ids, result.token_ids)
         return self._verify(verifying, result.token_ids, result.logprobs, rewind)
+
+    def _state(self, chunk: ScheduledChunk) -> RequestState:
+        """The request's state, brought up to date by the chunk (made anew by a first chunk)."""
+        if chunk.new_request is not None:
+            self._requests[chunk.request_id] = RequestState(chunk.new_request)
+        state = self._requests[chunk.request_id]
+        state.update(chunk)
+        return state
 
     @staticmethod
     def _verify(verifying, token_ids: list[int], logprobs: list, rewind: dict) -> ModelRunnerOutput:
@@ -179,7 +207,7 @@ class ModelRunner:
             at += len(drafts) + 1
         return ModelRunnerOutput(sampled, kept_logprobs)
 
-    def _forward(self, chunks: list[tuple[int, list[int], list[BlockId]]],
+    def _forward(self, chunks: list[tuple[int, list[int], BlockTable | list[BlockId]]],
                  mm_embeds: list[list[tuple[int, torch.Tensor]]] | None = None, is_verify_step: bool = False
                  ) -> tuple[torch.Tensor, AttentionMetadata]:
         """Final hidden states of the flat batch, and the step's attention metadata."""
@@ -207,25 +235,26 @@ class ModelRunner:
             self._gather_buffer = self.kv_cache.new_empty((2, size) + tuple(self.kv_cache.shape[3:]))
         return self._gather_buffer
 
-    def _sampling_row(self, chunk, is_grammar_done: bool = False, drafts: tuple[int, ...] = ()) -> SamplingRow:
+    def _sampling_row(self, request_id: RequestId, state: RequestState, is_grammar_done: bool = False,
+                      drafts: tuple[int, ...] = ()) -> SamplingRow:
         """``drafts``: draft tokens before this position, sampled as if already output."""
-        params = chunk.params
+        params = state.params
         generator = None
         if params.seed is not None and not params.is_greedy:
-            generator = self._generators.get(chunk.request_id)
+            generator = self._generators.get(request_id)
             if generator is None:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed)
                 # A request resumed here after another engine sampled its first tokens: advance
                 # the stream past their draws (one per token) so the next token is the same.
-                for _ in chunk.output_token_ids:
+                for _ in state.output_token_ids:
                     torch.rand(1, generator=generator, device=generator.device)
-                self._generators[chunk.request_id] = generator
-        output = [*chunk.output_token_ids, *drafts] if drafts else chunk.output_token_ids
+                self._generators[request_id] = generator
+        output = [*state.output_token_ids, *drafts] if drafts else state.output_token_ids
         suppressed: tuple[int, ...] = ()
         # A complete grammar allows only EOS: it wins over min_tokens (nothing else could be sampled).
         if len(output) < params.min_tokens and not is_grammar_done:
             suppressed = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
-        return SamplingRow(params, chunk.prompt_token_ids, output, generator, suppressed)
+        return SamplingRow(params, state.prompt_token_ids, output, generator, suppressed)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], block_table: list[BlockId], chunk_size: int | None = None,

@@ -36,27 +36,46 @@ from typing import Any
 from services.common.cost_model import PrefillCost
 from services.common.sampling_params import SamplingParams
 from services.engine.block_manager import BlockManager
-from services.engine.sequence import BlockId, FinishReason, RequestId, Sequence, SequenceStatus
+from services.engine.sequence import BlockId, FinishReason, RequestId, RunnerSync, Sequence, SequenceStatus
 from services.engine.speculative import DRAFTERS, DraftState, SpeculativeConfig
 
 
 @dataclass(frozen=True)
+class NewRequest:
+    """What the runner keeps about a request, sent with its first chunk (and again after a
+    preemption): later chunks carry only what changed, so a step costs the same at any length."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Tokens already generated (elsewhere, for a request handed over or resumed)."""
+    grammar: Any = None
+    """The sequence's compiled structured-output grammar, if any (see Sequence.grammar)."""
+
+
+@dataclass(frozen=True)
 class ScheduledChunk:
-    """One sequence's share of a step: which tokens to compute and where their KV goes."""
+    """One sequence's share of a step: which tokens to compute and where their KV goes.
+
+    The runner keeps each request's tokens and block table from step to step, so a chunk holds
+    only their changes (as vLLM's scheduler output does): copying a 77K-token request's lists
+    every step would cost more than its decode."""
 
     request_id: RequestId
     token_ids: list[int]
     start_position: int
-    block_table: list[BlockId]
     samples: bool
     """True when the chunk reaches the sequence's last token, so the step samples a token."""
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    new_request: NewRequest | None = None
+    """Everything about the request, on its first chunk (replacing what the runner had)."""
+    new_token_ids: list[int] = field(default_factory=list)
+    """Output tokens appended since the runner last heard of the request."""
+    num_kept_blocks: int = 0
+    """Leading entries of the runner's block table that still hold (rejected drafts' blocks go)."""
+    new_block_ids: list[BlockId] = field(default_factory=list)
+    """Blocks appended after those."""
     mm_embeds: list[tuple[int, Any]] = field(default_factory=list)
     """(offset in token_ids, embedding rows) that replace those tokens' input embeddings."""
-    grammar: Any = None
-    """The sequence's compiled structured-output grammar, if any (see Sequence.grammar)."""
     draft_token_ids: tuple[int, ...] = ()
     """The last len(draft_token_ids) of token_ids are drafts for the runner to verify."""
 
@@ -269,22 +288,29 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, num_new: int, drafts: list[int] = ()) -> ScheduledChunk:
         start = seq.num_computed_tokens
-        return ScheduledChunk(
-            draft_token_ids=tuple(drafts),
+        new_request = None
+        if not seq.sync.is_known:
+            new_request = NewRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.grammar)
+            seq.sync.is_known, seq.sync.num_tokens, seq.sync.num_blocks = True, len(seq), 0
+        num_kept_blocks = seq.sync.num_blocks
+        chunk = ScheduledChunk(
             request_id=seq.request_id,
             token_ids=seq.token_ids[start:start + num_new] + list(drafts),
             start_position=start,
-            block_table=list(seq.block_table),
             samples=start + num_new == len(seq),
-            params=seq.params,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
+            new_request=new_request,
+            new_token_ids=seq.token_ids[seq.sync.num_tokens:],
+            num_kept_blocks=num_kept_blocks,
+            new_block_ids=seq.block_table[num_kept_blocks:],
             mm_embeds=seq.mm_slices(start, num_new) if seq.mm_inputs else [],
-            grammar=seq.grammar,
+            draft_token_ids=tuple(drafts),
         )
+        seq.sync.num_tokens, seq.sync.num_blocks = len(seq), len(seq.block_table)
+        return chunk
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.sync = RunnerSync()  # recomputed from scratch: the runner hears of it anew
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -313,6 +339,7 @@ class Scheduler:
                 updated.append((seq, num_kept))
             if num_drafts:
                 self.block_manager.trim(seq)
+                seq.sync.num_blocks = min(seq.sync.num_blocks, len(seq.block_table))
             self.block_manager.cache_full_blocks(seq)
             if seq.is_finished:
                 self._release(seq)

@@ -56,6 +56,17 @@ class MultiModalInput:
         return len(self.embeddings)
 
 
+@dataclass
+class RunnerSync:
+    """How much of a sequence the model runner already holds (the scheduler sends the rest)."""
+
+    is_known: bool = False
+    num_tokens: int = 0
+    """Leading tokens of ``token_ids`` the runner has."""
+    num_blocks: int = 0
+    """Leading entries of ``block_table`` the runner has."""
+
+
 class Sequence:
     def __init__(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float | None = None, mm_inputs: tuple[MultiModalInput, ...] = (),
@@ -81,6 +92,7 @@ class Sequence:
         """Speculative decoding's per-sequence state (speculative.DraftState), once it drafts."""
         self.grammar: Any = None
         """The compiled grammar of ``params.structured`` (opaque here: the runner's matchers use it)."""
+        self.sync = RunnerSync()
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
 
     def __len__(self) -> int:

@@ -144,7 +144,7 @@ def test_fit_recovers_known_coefficients():
 def output(*chunks):
     """A step of chunks given as (start position, number of tokens)."""
     return SchedulerOutput([
-        ScheduledChunk(RequestId(f"r{i}"), [7] * n, start, [], False, SamplingParams(), [], [])
+        ScheduledChunk(RequestId(f"r{i}"), [7] * n, start, False)
         for i, (start, n) in enumerate(chunks)])
 
 

@@ -111,3 +111,30 @@ def test_max_num_seqs_limits_admission():
     seqs = [add(sched, str(i), 4) for i in range(3)]
     out = run_step(sched, seqs)
     assert [c.request_id for c in out.chunks] == ["0", "1"]
+
+
+def test_a_chunk_carries_only_what_changed_and_the_runners_copy_stays_exact():
+    """What the runner rebuilds from the chunks (a request's tokens and block table) equals the
+    sequence after every step, through a preemption; a decode's chunk holds O(1) of it."""
+    sched, bm = make(num_blocks=6, budget=16)
+    seqs = [add(sched, "a", 9, max_tokens=12), add(sched, "b", 7, max_tokens=12)]
+    copies: dict[str, tuple[list[int], list[int]]] = {}
+    for _ in range(60):
+        out = sched.schedule()
+        if out is None:
+            break
+        for c in out.chunks:
+            seq = next(s for s in seqs if s.request_id == c.request_id)
+            if c.new_request is not None:
+                copies[c.request_id] = ([*c.new_request.prompt_token_ids, *c.new_request.output_token_ids], [])
+            tokens, table = copies[c.request_id]
+            tokens += c.new_token_ids
+            del table[c.num_kept_blocks:]
+            table += c.new_block_ids
+            assert (tokens, table) == (seq.token_ids, seq.block_table)
+            if c.new_request is None and len(c.token_ids) == 1:
+                assert len(c.new_token_ids) == 1 and len(c.new_block_ids) <= 1
+        sched.postprocess(out, {c.request_id: [5] for c in out.chunks if c.samples},
+                          {s.request_id: s for s in seqs})
+    assert sum(s.num_preemptions for s in seqs) >= 1
+    assert all(s.is_finished for s in seqs) and bm.num_free_blocks == 6
