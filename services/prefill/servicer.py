@@ -13,11 +13,11 @@ class PrefillServicer(EngineRpcs, prefill_pb2_grpc.PrefillServicer):
         self.worker = worker
 
     async def Prefill(self, request, context):
-        response = await self.worker.prefill(spec_from_proto(request.spec))
-        if response.kv is not None and context is not None and context.cancelled():
-            # The caller left while this ran to the end: nobody will read or release the KV.
-            self.worker.release(response.kv.lease_id)
-        return prefill_response_to_proto(response)
+        # No check of context.cancelled() here: it only reports a status this server set, never
+        # a caller that left. A caller gone while the worker runs cancels it (it keeps nothing);
+        # one gone once the reply is on its way cannot be seen here, so the router releases the
+        # request's lease itself (see worker.py).
+        return prefill_response_to_proto(await self.worker.prefill(spec_from_proto(request.spec)))
 
     async def Release(self, request, context):
         return prefill_pb2.ReleaseResponse(released=self.worker.release(request.lease_id))

@@ -15,7 +15,8 @@
                         |                                     |
                         |                                  reply (first token + handle)
                         v
-      Release RPC from decode, or lease expiry (30 s) --> blocks back to the pool
+      Release RPC from decode (or from the router: a request it abandoned, or whose KV no decode
+      took), or lease expiry (30 s) --> blocks back to the pool
 
     meanwhile, off the request's path: the prompt's new full blocks are written to the KV
     store (StoreConnector.push), so the next prompt with this prefix hits on any instance.
@@ -24,6 +25,12 @@ The decode instance reads the blocks one-sided (shared memory or the transfer en
 server): nothing here runs per block while it reads, and the engine keeps stepping. A pool the
 transports cannot reach (CUDA; --kv-staging on) lends copies in its host staging region instead,
 and its blocks go back at once (serving/staging.py).
+
+A lease is named by its request's id, so a router that gave up on a Prefill call can release
+what the call may have lent without having seen the reply: this server cannot tell a reply that
+reached the router from one the router dropped (the call ends the same way here). A Release of
+a request still being prefilled here means its KV is not kept; whatever raises inside
+:meth:`PrefillWorker.prefill` (a cancelled call included) leaves no blocks behind.
 """
 
 from __future__ import annotations
@@ -31,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import uuid
 
 from kvstore.transfer.leases import LeaseTable
 from services.common.errors import EmbeddingsMissingError, UnavailableError
@@ -49,10 +55,19 @@ class PrefillWorker:
         self.instance = instance
         self.leases = LeaseTable(ttl_s=lease_ttl_s)
         self.is_draining = False
+        self._is_released_early: dict[str, bool] = {}
+        """Request id of each prefill running here -> whether a Release for it came first."""
 
     async def prefill(self, spec: RequestSpec) -> PrefillResponse:
         if self.is_draining:
             raise UnavailableError("this prefill instance is draining")
+        self._is_released_early[spec.request_id] = False
+        try:
+            return await self._prefill(spec)
+        finally:
+            self._is_released_early.pop(spec.request_id, None)
+
+    async def _prefill(self, spec: RequestSpec) -> PrefillResponse:
         seam, store = self.instance.seam, self.instance.store
         prompt = list(spec.prompt_token_ids)
         images = await image_inputs(spec, self.instance.transfer, self.instance.llm.model_config.hidden_size)
@@ -66,15 +81,24 @@ class PrefillWorker:
                                              "never computed): send their rows")
         try:
             last = await self._run(spec, prompt, images)
-        finally:
-            if pinned is not None:  # the request holds those blocks itself by now (or is gone)
+        except BaseException:
+            if pinned is not None:  # the request is gone
                 await unpin(seam, pinned)
+            raise
+        if pinned is not None:  # the request holds those blocks itself by now
+            try:
+                await unpin(seam, pinned)
+            except BaseException:
+                if isinstance(last, Handoff):  # cancelled meanwhile: nobody else has its blocks
+                    seam.release(last)
+                raise
         if store is not None:
             store.push_soon(prompt, images, spec.cache_salt, spec.request_class)
         if not isinstance(last, Handoff):
             return PrefillResponse(last.token_ids[0], last.finish_reason, last.stop_reason,
                                    last.num_cached_tokens, None, (last.logprobs or [None])[0])
-        return dataclasses.replace(await self._export(last), first_token_logprobs=(last.logprobs or [None])[0])
+        return dataclasses.replace(await self._export(last, spec.request_id),
+                                   first_token_logprobs=(last.logprobs or [None])[0])
 
     async def _run(self, spec: RequestSpec, prompt: list[int], images) -> object:
         """The engine's last item for the request: its output, or its Handoff."""
@@ -88,23 +112,37 @@ class PrefillWorker:
             await stream.aclose()
         return last
 
-    async def _export(self, handoff: Handoff) -> PrefillResponse:
+    async def _export(self, handoff: Handoff, request_id: str) -> PrefillResponse:
+        """The reply for a hand-over: its blocks lent under the lease ``request_id`` (no await
+        between the export and the grant, so a cancelled call never strands an export)."""
         seam = self.instance.seam
         first = handoff.output_token_ids[0]
         if seam.can_transfer:  # None: the staging region is full (blocks released, as on failure)
-            export = await seam.export_handoff(handoff, uuid.uuid4().hex)
+            export = await seam.export_handoff(handoff, request_id)
         else:  # a device pool without staging
             seam.release(handoff)
+            export = None
+        if export is not None and self._is_released_early.get(request_id):
+            seam.release(export)  # its caller left and said so before the lease existed
             export = None
         if export is None:  # decode recomputes the prompt
             HANDOVER_PATH.labels("recompute").inc()
             return PrefillResponse(first, None, None, handoff.num_cached_tokens, None)
         HANDOVER_PATH.labels("staged" if export.is_staged else "direct").inc()
-        self.leases.grant(lambda: seam.release(export), export.handle.lease_id)
+        # A lease of the same request still here was lent to a call its caller never heard back
+        # from (it retried here): nobody reads it.
+        self.leases.release(request_id)
+        self.leases.grant(lambda: seam.release(export), request_id)
         return PrefillResponse(first, None, None, handoff.num_cached_tokens, export.handle)
 
     def release(self, lease_id: str) -> bool:
-        return self.leases.release(lease_id)
+        """Release the lease (named by its request id); idempotent. A request still being
+        prefilled here keeps no KV once released (its caller left before the reply)."""
+        if self.leases.release(lease_id):
+            return True
+        if lease_id in self._is_released_early:
+            self._is_released_early[lease_id] = True
+        return False
 
     async def expire_leases(self, period_s: float = 1.0) -> None:
         """Forever: give back the blocks of every lease nobody released in time."""

@@ -3,17 +3,22 @@ prefill, every lease released, the encoder cache, and the router skipping the en
 image's KV is a prefix hit.
 
 2 encoders (small images: 16 rows each), 1 prefill, 1 decode, 1 store node, all real
-processes; leases live 300 s here, so a count back at 0 is a release, never an expiry.
+processes; leases (E->P and P->D) live 300 s here, so a count back at 0 is a release, never an
+expiry. The router runs with the fault of tests/integration/faults (off until a test turns it on).
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import grpc
 import httpx
@@ -30,12 +35,21 @@ TEXT = ("Describe this picture in detail, its colours, its shapes and what it mi
         "then say what you would call it and why, in a few short sentences please.")
 
 
+FAULTS = Path(__file__).parent / "faults"
+
+
 @pytest.fixture(scope="module")
-def cluster(tiny_chat_model_dir):
+def hold_prefill_reply(tmp_path_factory) -> Path:
+    """While this file exists, the router holds each Prefill reply that lends KV (faults/)."""
+    return tmp_path_factory.mktemp("faults") / "hold-prefill-reply"
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_chat_model_dir, hold_prefill_reply):
     saved = dict(os.environ)
-    # (Prefill's P->D KV leases expire in 5 s: a client gone exactly as its Prefill reply was
-    # sent can strand one at prefill, see the report of issue 20; E->P leases never expire here.)
-    os.environ.update(EPD_ENCODER_IMAGE_SIZE="64", EPD_ENCODER_LEASE_TTL_S="300", EPD_PREFILL_LEASE_TTL_S="5")
+    os.environ.update(EPD_ENCODER_IMAGE_SIZE="64", EPD_ENCODER_LEASE_TTL_S="300", EPD_PREFILL_LEASE_TTL_S="300",
+                      EPD_TEST_HOLD_PREFILL_REPLY=str(hold_prefill_reply),
+                      PYTHONPATH=os.pathsep.join(filter(None, (str(FAULTS), os.environ.get("PYTHONPATH")))))
     try:
         with running_cluster(str(tiny_chat_model_dir), encoders=2, prefills=1, decodes=1, kv_cache_gib=0.02,
                              device="cpu") as running:
@@ -153,3 +167,26 @@ def test_an_encoder_killed_mid_request_fails_no_request(cluster):
         assert chat(cluster, picture(seed))["usage"]["completion_tokens"] == 6
     assert wait_no_leases(cluster) == [0]  # the survivor's; the dead one's died with it
     assert not (held := cluster.leftovers()), "\n".join(held)
+
+
+def test_a_client_gone_as_its_prefill_reply_arrives_strands_no_kv(cluster, hold_prefill_reply):
+    """Prefill has lent the KV and sent its reply; the client leaves before the router takes the
+    reply (held there by the fault): the router must release the lease it never saw."""
+    url = urlsplit(cluster.url)
+    body = json.dumps({"model": "tiny-chat0", "max_tokens": 6, "temperature": 0,
+                       "messages": [{"role": "user", "content": TEXT}]}).encode()
+    held = Path(f"{hold_prefill_reply}.held")
+    hold_prefill_reply.touch()
+    try:
+        with socket.create_connection((url.hostname, url.port), timeout=60) as client:
+            client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\n"
+                           b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            deadline = time.monotonic() + 60
+            while not held.exists():
+                assert time.monotonic() < deadline, "no Prefill reply reached the router"
+                time.sleep(0.02)
+            assert [r.num_leases for r in cluster.loads() if r.role == "prefill"] == [1]
+    finally:  # the fault off again (the client left as the with-block ended)
+        hold_prefill_reply.unlink()
+        held.unlink(missing_ok=True)
+    assert not (held_now := cluster.leftovers()), "\n".join(held_now)

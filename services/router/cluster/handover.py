@@ -3,7 +3,10 @@ decode stream means for its request."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 import grpc.aio
@@ -35,11 +38,33 @@ class HandOver:
         if self.kv is not None:
             lease_id = self.kv.lease_id
             self.taken()
-            try:
-                await self.instance.stub.Release(prefill_pb2.ReleaseRequest(lease_id=lease_id), timeout=5.0)
-            except grpc.aio.AioRpcError as exc:  # the lease expires on its own
-                logger.warning("could not release lease %s at %s: %s", lease_id, self.instance.address,
-                               exc.details())
+            await release_lease(self.instance, lease_id)
+
+
+@contextlib.asynccontextmanager
+async def released_if_abandoned(instance: Instance, request_id: str) -> AsyncIterator[None]:
+    """Around a Prefill call: when the router gives up on it once sent (cancelled: the client
+    left; a transport failure: the reply may be lost), the KV the instance may have lent, its
+    reply already sent, is released by the request's id, which names the lease there. An error
+    the instance raised itself lent nothing. Awaited before the error goes on, so a retry (the
+    same request id, maybe at the same instance) cannot race it."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        await release_lease(instance, request_id)
+        raise
+    except grpc.aio.AioRpcError as exc:
+        if not is_raised_by_server(exc):
+            await release_lease(instance, request_id)
+        raise
+
+
+async def release_lease(instance: Instance, lease_id: str) -> None:
+    """Release a lease at a prefill instance (idempotent there: unknown or gone is a no-op)."""
+    try:
+        await instance.stub.Release(prefill_pb2.ReleaseRequest(lease_id=lease_id), timeout=5.0)
+    except grpc.aio.AioRpcError as exc:  # the lease expires on its own
+        logger.warning("could not release lease %s at %s: %s", lease_id, instance.address, exc.details())
 
 
 def stream_error(exc: grpc.aio.AioRpcError) -> EPDError:

@@ -15,7 +15,8 @@
                         (at most max_migrations times)
 
 Closing the chunk iterator (the client left) cancels whichever call is in flight; a KV handle
-that no decode instance took yet is released at its prefill instance right away.
+that no decode instance took yet is released at its prefill instance right away, as is the KV
+of a Prefill call given up on after it was sent (its reply may have been on its way).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from services.pb import prefill_pb2, prefill_pb2_grpc
 from services.router.cluster.backend import GenerateChunk, GenerateRequest
 from services.router.cluster.encoding import (ENCODER_SKIPS, EmbeddingLeases, ImageMemo, encode, image_block_hashes,
                                               last_image_block, widen)
-from services.router.cluster.handover import HandOver, stream_error
+from services.router.cluster.handover import HandOver, released_if_abandoned, stream_error
 from services.router.cluster.instances import Instance, InstancePool
 from services.router.cluster.membership import Change, Discovery, MembershipTable, StaticDiscovery
 from services.router.policies import Policy, RequestView, make_policy
@@ -366,7 +367,8 @@ class ClusterBackend:
             instance = placement.instance
             try:
                 with self.prefills.using(instance):
-                    reply = await instance.stub.Prefill(message, timeout=self.stage_timeout_s)
+                    async with released_if_abandoned(instance, spec.request_id):
+                        reply = await instance.stub.Prefill(message, timeout=self.stage_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 error = error_from_rpc(exc)
                 is_instance_fault = error.retryable and not isinstance(error, EmbeddingsMissingError)
