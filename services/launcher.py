@@ -80,6 +80,8 @@ class UpConfig:
     """Per-step token budget of each engine (the prefill chunk size)."""
     device: str = "auto"
     """"cpu", "cuda" or "auto" for every engine."""
+    dtype: str = "auto"
+    """Every engine's dtype: "float32", "bfloat16" or "auto" (see the engines' --dtype)."""
     startup_timeout_s: float = 600.0
     """How long the instances get to load the model and report healthy."""
     stop_timeout_s: float = 30.0
@@ -211,7 +213,8 @@ class Cluster:
     def _engine_args(self, kvstores: list[Child]) -> list[str]:
         c = self.config
         args = ["--kv-cache-gib", str(c.kv_cache_gib), "--max-num-batched-tokens",
-                str(c.max_num_batched_tokens), "--device", c.device, "--kv-transport", c.kv_transport]
+                str(c.max_num_batched_tokens), "--device", c.device, "--dtype", c.dtype,
+                "--kv-transport", c.kv_transport]
         args += [arg for child in kvstores for arg in ("--kvstore", child.address)]
         if kvstores:
             args += ["--kvstore-replicas", str(c.kvstore_replicas)]

@@ -116,14 +116,16 @@ class ModelRunner:
             # Zero-filled, so every page of the pool is touched now rather than mid-request.
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self._gather_buffer = self.kv_cache.new_empty((2, 0) + tuple(self.kv_cache.shape[3:]))
-        # Where the CPU's kernels exist (fp32), attention reads blocks in place and decode steps
-        # use packed weights; on CUDA the Triton kernels read blocks in place; else torch runs it
-        # all (bf16 on the CPU, no C compiler, no triton, or turned off).
+        # Where the CPU's kernels exist (fp32, bf16), attention reads blocks in place, and fp32
+        # decode steps use packed weights (bf16 ones oneDNN's products); on CUDA the Triton
+        # kernels read blocks in place; else torch runs it all (no C compiler, no triton, or
+        # turned off).
         self.attention_backend = kernel_select.attention_backend(device, dtype)
         self._kernels = kernel_select.kernels_for(self.attention_backend)
-        if self.attention_backend == "cpu":
+        is_cpu_fp32 = self.attention_backend == "cpu" and dtype == torch.float32
+        if is_cpu_fp32:
             self.model.pack_for_decode(self._kernels)
-        check(not batch_invariant or self.attention_backend == "cpu", "batch_invariant",
+        check(not batch_invariant or is_cpu_fp32, "batch_invariant",
               f"needs the CPU's fp32 kernels (device cpu, dtype float32, a C compiler); this engine "
               f"runs {self.attention_backend} attention on {device}/{str(dtype).removeprefix('torch.')}")
         self.batch_invariant = batch_invariant

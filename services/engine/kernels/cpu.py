@@ -38,15 +38,22 @@ from services.engine.models.loader import CACHE_ENV
 logger = logging.getLogger(__name__)
 
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11")
-SOURCES = {Path(__file__).with_name(name): flags for name, flags in (
+BF16 = ("-DEPD_BF16",)
+"""Builds a source for bfloat16 elements (element.h): its names end in _bf16, not _f32."""
+SOURCES = tuple((Path(__file__).with_name(name), flags) for name, flags in (
     ("paged_decode.c", ("-ffast-math",)),
+    ("paged_decode.c", ("-ffast-math", *BF16)),
     ("paged_prefill.c", ("-ffast-math",)),
+    ("paged_prefill.c", ("-ffast-math", *BF16)),
     # torch's bits exactly: every operation rounded on its own, none fused into an FMA.
     ("rope_store.c", ("-ffp-contract=off",)),
+    ("rope_store.c", ("-ffp-contract=off", *BF16)),
     ("small_gemm.c", ()),
-)}
-"""Each source with the flags it adds to COMPILE_FLAGS."""
-HEADERS = (Path(__file__).with_name("vector.h"),)
+))
+"""Each source with the flags it adds to COMPILE_FLAGS (a source may be built more than once)."""
+DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+"""The element types the attention and RoPE kernels are built for, by their names' suffix."""
+HEADERS = (Path(__file__).with_name("vector.h"), Path(__file__).with_name("element.h"))
 """Included by the sources: part of the build's identity."""
 LINK_FLAGS = ("-shared", "-fopenmp")
 SPECIALISED_HEAD_DIMS = (64, 128)
@@ -94,14 +101,14 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build(sources: dict[Path, tuple[str, ...]] = SOURCES, cache_dir: Path | None = None) -> Path:
+def build(sources: tuple[tuple[Path, tuple[str, ...]], ...] = SOURCES, cache_dir: Path | None = None) -> Path:
     """Compile ``sources`` (each with its own flags) into one shared object, or reuse the cached
     one; its path."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [text for s, flags in sources.items() for text in (s.name, s.read_text(), *flags)]
+    parts = [text for s, flags in sources for text in (s.name, s.read_text(), *flags)]
     parts += [h.read_text() for h in HEADERS]
     key = hashlib.sha256("\0".join([*parts, *COMPILE_FLAGS, *LINK_FLAGS, version,
                                     _cpu_identity()]).encode()).hexdigest()[:16]
@@ -111,10 +118,10 @@ def build(sources: dict[Path, tuple[str, ...]] = SOURCES, cache_dir: Path | None
         return target
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        objects = [str(Path(tmp) / f"{s.stem}.o") for s in sources]
+        objects = [str(Path(tmp) / f"{i}-{s.stem}.o") for i, (s, _) in enumerate(sources)]
         lib = Path(tmp) / "kernels.so"
         commands = [[cc, *COMPILE_FLAGS, *flags, "-c", str(s), "-o", o]
-                    for (s, flags), o in zip(sources.items(), objects)]
+                    for (s, flags), o in zip(sources, objects)]
         for cmd in commands + [[cc, *LINK_FLAGS, *objects, "-o", str(lib), "-lm"]]:
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
@@ -133,13 +140,15 @@ def _library() -> ctypes.CDLL | None:
         logger.warning("CPU kernels unavailable, using the torch path: %s", e)
         return None
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-    for kind, num_ptrs, num_ints, restype in (("decode", 6, 8, None), ("prefill", 5, 8, i32)):
-        for name in [f"paged_{kind}_f32"] + [f"paged_{kind}_f32_d{d}" for d in SPECIALISED_HEAD_DIMS]:
-            fn = getattr(lib, name)
-            fn.argtypes = [ptr] * num_ptrs + [i64] * num_ints + [f32, i32]
-            fn.restype = restype
-    lib.rope_store_f32.argtypes = [ptr] * 7 + [i64] * 6 + [i32]
-    lib.rope_store_f32.restype = None
+    for suffix in DTYPES.values():
+        for kind, num_ptrs, num_ints, restype in (("decode", 6, 8, None), ("prefill", 5, 8, i32)):
+            for name in [f"paged_{kind}_{suffix}"] + [f"paged_{kind}_{suffix}_d{d}" for d in SPECIALISED_HEAD_DIMS]:
+                fn = getattr(lib, name)
+                fn.argtypes = [ptr] * num_ptrs + [i64] * num_ints + [f32, i32]
+                fn.restype = restype
+        rope = getattr(lib, f"rope_store_{suffix}")
+        rope.argtypes = [ptr] * 7 + [i64] * 6 + [i32]
+        rope.restype = None
     lib.small_gemm_packed_size.argtypes = [i64, i64]
     lib.small_gemm_packed_size.restype = i64
     lib.small_gemm_pack.argtypes = [ptr, ptr, i64, i64, i32]
@@ -152,20 +161,21 @@ def _library() -> ctypes.CDLL | None:
 def _check(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, *index: torch.Tensor) -> None:
     for t in (q, out, kv_cache, *index):
         assert t.is_contiguous() and t.device.type == "cpu", "the CPU kernels take contiguous CPU tensors"
-    assert q.dtype == out.dtype == kv_cache.dtype == torch.float32
+    assert q.dtype == out.dtype == kv_cache.dtype and q.dtype in DTYPES
     assert all(t.dtype == torch.int64 for t in index)
 
 
-def _entry(lib: ctypes.CDLL, kind: str, head_dim: int):
-    name = f"paged_{kind}_f32_d{head_dim}" if head_dim in SPECIALISED_HEAD_DIMS else f"paged_{kind}_f32"
-    return getattr(lib, name)
+def _entry(lib: ctypes.CDLL, kind: str, dtype: torch.dtype, head_dim: int | None = None):
+    name = f"{kind}_{DTYPES[dtype]}"
+    return getattr(lib, f"{name}_d{head_dim}" if head_dim in SPECIALISED_HEAD_DIMS else name)
 
 
 @functools.cache
 def kernels() -> CpuKernels | None:
     """The kernels (see ``paged_decode.c``, ``paged_prefill.c``, ``rope_store.c``), or None
-    where they cannot be built. They take float32 CPU tensors, all contiguous, and int64 index
-    tensors (see the C sources for shapes).
+    where they cannot be built. They take float32 or bfloat16 CPU tensors (one dtype a call;
+    the small product float32 only), all contiguous, and int64 index tensors (see the C sources
+    for shapes).
     """
     lib = _library()
     if lib is None:
@@ -175,7 +185,7 @@ def kernels() -> CpuKernels | None:
                      rows: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, scale: float) -> None:
         _check(q, out, kv_cache, rows, tables, lengths)
         num_layers, block_size, num_kv_heads, head_dim = kv_cache.shape[1], *kv_cache.shape[3:]
-        _entry(lib, "decode", head_dim)(
+        _entry(lib, "paged_decode", q.dtype, head_dim)(
             q.data_ptr(), out.data_ptr(), kv_cache.data_ptr(), rows.data_ptr(), tables.data_ptr(),
             lengths.data_ptr(), rows.shape[0], tables.shape[1], layer, num_layers, block_size,
             q.shape[1], num_kv_heads, head_dim, scale, torch.get_num_threads())
@@ -184,7 +194,7 @@ def kernels() -> CpuKernels | None:
                       spans: torch.Tensor, tables: torch.Tensor, scale: float) -> None:
         _check(q, out, kv_cache, spans, tables)
         num_layers, block_size, num_kv_heads, head_dim = kv_cache.shape[1], *kv_cache.shape[3:]
-        status = _entry(lib, "prefill", head_dim)(
+        status = _entry(lib, "paged_prefill", q.dtype, head_dim)(
             q.data_ptr(), out.data_ptr(), kv_cache.data_ptr(), spans.data_ptr(), tables.data_ptr(),
             spans.shape[0], tables.shape[1], layer, num_layers, block_size, q.shape[1],
             num_kv_heads, head_dim, scale, torch.get_num_threads())
@@ -202,9 +212,10 @@ def kernels() -> CpuKernels | None:
         k = qkv.new_empty(num_tokens, num_kv_heads, head_dim)
         _check(qkv, q, kv_cache, slot_rows)
         _check(cos, sin, k)
-        lib.rope_store_f32(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
-                           kv_cache.data_ptr(), slot_rows.data_ptr(), k_offset, v_offset, num_tokens,
-                           num_heads, num_kv_heads, head_dim, torch.get_num_threads())
+        _entry(lib, "rope_store", qkv.dtype)(
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), kv_cache.data_ptr(),
+            slot_rows.data_ptr(), k_offset, v_offset, num_tokens, num_heads, num_kv_heads, head_dim,
+            torch.get_num_threads())
         return q, k
 
     def pack_weight(weight: torch.Tensor) -> torch.Tensor:

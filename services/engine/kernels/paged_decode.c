@@ -1,7 +1,7 @@
 /* Decode attention for the CPU: one new token per sequence, attending to its context where the
  * context lies, in the block-major paged KV pool (no gather into a contiguous copy).
  *
- *   kv     [num_blocks, num_layers, 2 (k|v), block_size, num_kv_heads, head_dim]  float32
+ *   kv     [num_blocks, num_layers, 2 (k|v), block_size, num_kv_heads, head_dim]  elem
  *   q, out [num_tokens, num_heads, head_dim]; sequence n's query is row rows[n]
  *   tables [num_seqs, max_blocks] block ids; lengths [num_seqs] context tokens (incl. the new one)
  *
@@ -18,8 +18,10 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "element.h"
+
 static inline __attribute__((always_inline)) void decode_one(
-        const float *restrict qn, float *restrict on, const float *restrict kv,
+        const elem *restrict qn, elem *restrict on, const elem *restrict kv,
         const int64_t *restrict table, int64_t len, int64_t layer, int64_t num_layers,
         int64_t block_size, int64_t num_heads, int64_t num_kv_heads, const int64_t D, float scale) {
     const int64_t H = num_heads, G = num_heads / num_kv_heads, B = block_size;
@@ -29,25 +31,26 @@ static inline __attribute__((always_inline)) void decode_one(
     const int64_t layer_offset = layer * 2 * half;
     float m[H], l[H], acc[H * D], qs[H * D], s[H * B];
     for (int64_t h = 0; h < H; h++) { m[h] = -FLT_MAX; l[h] = 0.f; }
-    for (int64_t i = 0; i < H * D; i++) { acc[i] = 0.f; qs[i] = qn[i] * scale; }
+    for (int64_t i = 0; i < H * D; i++) { acc[i] = 0.f; qs[i] = ld(qn[i]) * scale; }
     const int64_t num_blocks = (len + B - 1) / B;
     for (int64_t blk = 0; blk < num_blocks; blk++) {
         const int64_t ntok = len - blk * B < B ? len - blk * B : B;
-        const float *kb = kv + table[blk] * block_stride + layer_offset;
-        const float *vb = kb + half;
+        const elem *kb = kv + table[blk] * block_stride + layer_offset;
+        const elem *vb = kb + half;
         const char *next = blk + 1 < num_blocks
             ? (const char *)(kv + table[blk + 1] * block_stride + layer_offset) : 0;
         for (int64_t t = 0; t < ntok; t++) {
             if (next)
-                for (int64_t off = 0; off < tok_stride * 4; off += 64) {
-                    __builtin_prefetch(next + t * tok_stride * 4 + off, 0, 3);
-                    __builtin_prefetch(next + (half + t * tok_stride) * 4 + off, 0, 3);
+                for (int64_t off = 0; off < tok_stride * (int64_t)sizeof(elem); off += 64) {
+                    __builtin_prefetch(next + t * tok_stride * sizeof(elem) + off, 0, 3);
+                    __builtin_prefetch(next + (half + t * tok_stride) * sizeof(elem) + off, 0, 3);
                 }
-            const float *kt = kb + t * tok_stride;
+            const elem *kt = kb + t * tok_stride;
             for (int64_t h = 0; h < H; h++) {
-                const float *qh = qs + h * D, *kh = kt + (h / G) * D;
+                const float *qh = qs + h * D;
+                const elem *kh = kt + (h / G) * D;
                 float dot = 0.f;
-                for (int64_t d = 0; d < D; d++) dot += qh[d] * kh[d];
+                for (int64_t d = 0; d < D; d++) dot += qh[d] * ld(kh[d]);
                 s[h * B + t] = dot;
             }
         }
@@ -61,20 +64,21 @@ static inline __attribute__((always_inline)) void decode_one(
             for (int64_t d = 0; d < D; d++) acc[h * D + d] *= corr;
         }
         for (int64_t t = 0; t < ntok; t++) {
-            const float *vt = vb + t * tok_stride;
+            const elem *vt = vb + t * tok_stride;
             for (int64_t h = 0; h < H; h++) {
-                const float p = s[h * B + t], *vh = vt + (h / G) * D;
+                const float p = s[h * B + t];
+                const elem *vh = vt + (h / G) * D;
                 float *ah = acc + h * D;
-                for (int64_t d = 0; d < D; d++) ah[d] += p * vh[d];
+                for (int64_t d = 0; d < D; d++) ah[d] += p * ld(vh[d]);
             }
         }
     }
     for (int64_t h = 0; h < H; h++)
-        for (int64_t d = 0; d < D; d++) on[h * D + d] = acc[h * D + d] / l[h];
+        for (int64_t d = 0; d < D; d++) on[h * D + d] = st(acc[h * D + d] / l[h]);
 }
 
 #define PAGED_DECODE(name, HEAD_DIM)                                                          \
-    void name(const float *q, float *out, const float *kv, const int64_t *rows,                \
+    void name(const elem *q, elem *out, const elem *kv, const int64_t *rows,                   \
               const int64_t *tables, const int64_t *lengths, int64_t num_seqs,                 \
               int64_t max_blocks, int64_t layer, int64_t num_layers, int64_t block_size,       \
               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,          \
@@ -86,6 +90,6 @@ static inline __attribute__((always_inline)) void decode_one(
                        num_heads, num_kv_heads, HEAD_DIM, scale);                              \
     }
 
-PAGED_DECODE(paged_decode_f32, head_dim)
-PAGED_DECODE(paged_decode_f32_d64, 64)
-PAGED_DECODE(paged_decode_f32_d128, 128)
+PAGED_DECODE(EXPORT(paged_decode, ), head_dim)
+PAGED_DECODE(EXPORT(paged_decode, _d64), 64)
+PAGED_DECODE(EXPORT(paged_decode, _d128), 128)

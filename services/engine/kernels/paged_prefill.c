@@ -2,7 +2,7 @@
  * attend causally to their sequence's context where it lies, in the block-major paged KV pool.
  * The chunk's own K/V are already written there, so every key is read from the pool.
  *
- *   kv     [num_blocks, num_layers, 2 (k|v), block_size, num_kv_heads, head_dim]  float32
+ *   kv     [num_blocks, num_layers, 2 (k|v), block_size, num_kv_heads, head_dim]  elem
  *   q, out [num_tokens, num_heads, head_dim]
  *   spans  [num_spans, 3]: first row in q, number of new tokens, position of the first
  *   tables [num_spans, max_blocks] block ids
@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "element.h"
 #include "vector.h"
 
 #define LANES (2 * W)     /* queries per tile: two vectors */
@@ -71,7 +72,7 @@ static int by_cost_desc(const void *a, const void *b) {
         for (int64_t d = 0; d < D; d++) {                                                     \
             const vf x0 = qt[d][0], x1 = qt[d][1];                                            \
             for (int u = 0; u < TB; u++) {                                                    \
-                const float k = krow[t + u][d];                                               \
+                const float k = ld(krow[t + u][d]);                                               \
                 a[u][0] += x0 * k;                                                            \
                 a[u][1] += x1 * k;                                                            \
             }                                                                                 \
@@ -86,14 +87,14 @@ static int by_cost_desc(const void *a, const void *b) {
         for (int i = 0; i < DB; i++) { a[i][0] = ot[d + i][0] * corr[0]; a[i][1] = ot[d + i][1] * corr[1]; } \
         for (int64_t t = 0; t < nt; t++) {                                                    \
             const vf p0 = p[t][0], p1 = p[t][1];                                              \
-            const float *vt = krow[t] + half + d;                                             \
-            for (int i = 0; i < DB; i++) { a[i][0] += p0 * vt[i]; a[i][1] += p1 * vt[i]; }    \
+            const elem *vt = krow[t] + half + d;                                             \
+            for (int i = 0; i < DB; i++) { const float x = ld(vt[i]); a[i][0] += p0 * x; a[i][1] += p1 * x; }    \
         }                                                                                     \
         for (int i = 0; i < DB; i++) { ot[d + i][0] = a[i][0]; ot[d + i][1] = a[i][1]; }      \
     } while (0)
 
 static inline __attribute__((always_inline)) void prefill_tile(
-        const float *restrict q, float *restrict out, const float *restrict kv,
+        const elem *restrict q, elem *restrict out, const elem *restrict kv,
         const int64_t *restrict table, int64_t first_row, int64_t num_new, int64_t start,
         int64_t kv_head, int64_t first_lane, int64_t layer, int64_t num_layers, int64_t B,
         int64_t num_heads, int64_t num_kv_heads, const int64_t D, float scale) {
@@ -112,15 +113,15 @@ static inline __attribute__((always_inline)) void prefill_tile(
         posv[j / W][j % W] = (float)pos;
         min_pos = pos < min_pos ? pos : min_pos;
         max_pos = pos > max_pos ? pos : max_pos;
-        const float *qj = q + ((first_row + row_of[j]) * num_heads + head_of[j]) * D;
-        for (int64_t d = 0; d < D; d++) qt[d][j / W][j % W] = qj[d] * scale;
+        const elem *qj = q + ((first_row + row_of[j]) * num_heads + head_of[j]) * D;
+        for (int64_t d = 0; d < D; d++) qt[d][j / W][j % W] = ld(qj[d]) * scale;
     }
     for (int64_t d = 0; d < D; d++) ot[d][0] = ot[d][1] = splat(0.f);
     for (int v = 0; v < 2; v++) { m[v] = splat(MASKED); l[v] = splat(0.f); }
     const int64_t ctx = max_pos + 1;
     for (int64_t c0 = 0; c0 < ctx; c0 += CHUNK) {
         const int64_t nt = ctx - c0 < CHUNK ? ctx - c0 : CHUNK;
-        const float *krow[CHUNK];
+        const elem *krow[CHUNK];
         for (int64_t t = 0; t < nt; t++) {
             int64_t pos = c0 + t;
             krow[t] = kv + table[pos / B] * block_stride + layer_offset + (pos % B) * tok_stride + kv_head * D;
@@ -145,14 +146,14 @@ static inline __attribute__((always_inline)) void prefill_tile(
         for (; d < D; d++) VALUES(1);
     }
     for (int64_t j = 0; j < LANES && first_lane + j < num_lanes_total; j++) {
-        float *dst = out + ((first_row + row_of[j]) * num_heads + head_of[j]) * D;
+        elem *dst = out + ((first_row + row_of[j]) * num_heads + head_of[j]) * D;
         const float inv = 1.f / l[j / W][j % W];
-        for (int64_t d = 0; d < D; d++) dst[d] = ot[d][j / W][j % W] * inv;
+        for (int64_t d = 0; d < D; d++) dst[d] = st(ot[d][j / W][j % W] * inv);
     }
 }
 
 #define PAGED_PREFILL(name, HEAD_DIM)                                                          \
-    int name(const float *q, float *out, const float *kv, const int64_t *spans,                \
+    int name(const elem *q, elem *out, const elem *kv, const int64_t *spans,                   \
              const int64_t *tables, int64_t num_spans, int64_t max_blocks, int64_t layer,      \
              int64_t num_layers, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,  \
              int64_t head_dim, float scale, int num_threads) {                                 \
@@ -184,6 +185,6 @@ static inline __attribute__((always_inline)) void prefill_tile(
         return 0;                                                                              \
     }
 
-PAGED_PREFILL(paged_prefill_f32, head_dim)
-PAGED_PREFILL(paged_prefill_f32_d64, 64)
-PAGED_PREFILL(paged_prefill_f32_d128, 128)
+PAGED_PREFILL(EXPORT(paged_prefill, ), head_dim)
+PAGED_PREFILL(EXPORT(paged_prefill, _d64), 64)
+PAGED_PREFILL(EXPORT(paged_prefill, _d128), 128)

@@ -5,34 +5,38 @@
  *   cos, sin  [num_tokens, head_dim]
  *   q_out     [num_tokens, num_heads, head_dim]
  *   k_out     [num_tokens, num_kv_heads, head_dim]   (k as stored, for attention in torch)
- *   kv        the pool as rows of num_kv_heads * head_dim floats; token t's K goes to row
+ *   kv        the pool as rows of num_kv_heads * head_dim elements; token t's K goes to row
  *             slot_rows[t] + k_offset, its V to row slot_rows[t] + v_offset
  *
  * The rotate-half layout: x' = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
- * Each element takes the same three rounded operations, in the same order, as the torch
- * expression above; this file is compiled without -ffast-math and without contracting them
- * into fused multiply-adds, so the results are torch's bit for bit.
+ * In float32 each element takes the same three rounded operations, in the same order, as the
+ * torch expression above; this file is compiled without -ffast-math and without contracting
+ * them into fused multiply-adds, so the results are torch's bit for bit. In bfloat16 the three
+ * are computed in float and rounded once (torch rounds each to bfloat16: ours is the closer).
  */
 #include <stdint.h>
 
-static inline void rope_row(const float *restrict x, float *restrict y, const float *restrict c,
-                            const float *restrict s, int64_t num_heads, int64_t D) {
+#include "element.h"
+
+static inline void rope_row(const elem *restrict x, elem *restrict y, const elem *restrict c,
+                            const elem *restrict s, int64_t num_heads, int64_t D) {
     const int64_t half = D / 2;
     for (int64_t h = 0; h < num_heads; h++, x += D, y += D) {
-        for (int64_t i = 0; i < half; i++) y[i] = x[i] * c[i] + (-x[i + half]) * s[i];
-        for (int64_t i = half; i < D; i++) y[i] = x[i] * c[i] + x[i - half] * s[i];
+        for (int64_t i = 0; i < half; i++) y[i] = st(ld(x[i]) * ld(c[i]) + (-ld(x[i + half])) * ld(s[i]));
+        for (int64_t i = half; i < D; i++) y[i] = st(ld(x[i]) * ld(c[i]) + ld(x[i - half]) * ld(s[i]));
     }
 }
 
-void rope_store_f32(const float *qkv, const float *cos, const float *sin, float *q_out,
-                    float *k_out, float *kv, const int64_t *slot_rows, int64_t k_offset, int64_t v_offset, int64_t num_tokens,
-                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int num_threads) {
+void EXPORT(rope_store, )(const elem *qkv, const elem *cos, const elem *sin, elem *q_out,
+                          elem *k_out, elem *kv, const int64_t *slot_rows, int64_t k_offset, int64_t v_offset,
+                          int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int num_threads) {
     const int64_t D = head_dim, q_size = num_heads * D, kv_size = num_kv_heads * D;
     const int64_t row = q_size + 2 * kv_size;
     #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t t = 0; t < num_tokens; t++) {
-        const float *x = qkv + t * row, *c = cos + t * D, *s = sin + t * D;
-        float *k_dst = kv + (slot_rows[t] + k_offset) * kv_size, *v_dst = kv + (slot_rows[t] + v_offset) * kv_size;
+        const elem *x = qkv + t * row, *c = cos + t * D, *s = sin + t * D;
+        elem *k_dst = kv + (slot_rows[t] + k_offset) * kv_size, *v_dst = kv + (slot_rows[t] + v_offset) * kv_size;
         rope_row(x, q_out + t * q_size, c, s, num_heads, D);
         rope_row(x + q_size, k_dst, c, s, num_kv_heads, D);
         for (int64_t i = 0; i < kv_size; i++) k_out[t * kv_size + i] = k_dst[i];

@@ -3,8 +3,8 @@ the kernels for it.
 
 * ``"triton"`` on CUDA where triton imports and ``EPD_ENGINE_TRITON`` is not ``0``
   (:mod:`.triton_attention`, :mod:`.triton_rope`);
-* ``"cpu"`` on the CPU in fp32 where the C kernels build (:mod:`.cpu`, ``EPD_CPU_KERNELS=0``
-  turns them off);
+* ``"cpu"`` on the CPU in fp32 or bf16 where the C kernels build (:mod:`.cpu`,
+  ``EPD_CPU_KERNELS=0`` turns them off);
 * ``"torch"`` otherwise: attention's own torch path, the reference of both.
 
 Triton is imported only when chosen, so the engine imports without it.
@@ -36,7 +36,7 @@ def choose(device_type: str, dtype: torch.dtype, *, is_triton_usable: bool, is_c
     """The backend for a device and dtype given what is usable there (the pure core)."""
     if device_type == "cuda" and is_triton_usable:
         return "triton"
-    if device_type == "cpu" and dtype == torch.float32 and is_cpu_usable:
+    if device_type == "cpu" and dtype in cpu.DTYPES and is_cpu_usable:
         return "cpu"
     return "torch"
 
@@ -44,7 +44,7 @@ def choose(device_type: str, dtype: torch.dtype, *, is_triton_usable: bool, is_c
 def attention_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
     """``"triton"``, ``"cpu"`` or ``"torch"`` for ``device`` (see the module docstring). Builds
     the C kernels on the CPU if they are not built yet."""
-    is_cuda, is_cpu = device.type == "cuda", device.type == "cpu" and dtype == torch.float32
+    is_cuda, is_cpu = device.type == "cuda", device.type == "cpu" and dtype in cpu.DTYPES
     return choose(device.type, dtype,
                   is_triton_usable=is_cuda and triton_enabled() and triton_installed(),
                   is_cpu_usable=is_cpu and cpu.kernels() is not None)

@@ -59,6 +59,32 @@ def test_kernels_match_the_torch_path(kernels, heads, kv_heads, head_dim, block_
         assert (got - expected).abs().max().item() < 1e-5
 
 
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(9, 3, 64, 16), (6, 2, 24, 8)])
+def test_bf16_kernels_round_the_fp32_result_on_the_same_values(kernels, heads, kv_heads, head_dim, block_size):
+    """bfloat16 in and out, float inside: each kernel row is the float32 path's result on the
+    same (bfloat16) values, rounded once (within half a bfloat16 ulp, and ~1e-6 of sums)."""
+    rng = random.Random(head_dim + 1)
+    chunks = [(1, 1), (block_size, 1), (rng.randint(50, 300), 1), (0, 7), (2 * block_size + 3, 5),
+              (block_size, 1 + 2 * block_size)]
+    kv, q, k, v, step = _random_step(rng, heads, kv_heads, head_dim, block_size, 3, chunks)
+    kv, q, k, v = (t.bfloat16() for t in (kv, q, k, v))
+    scale, cpu_ = head_dim ** -0.5, torch.device("cpu")
+    fresh = torch.zeros(q.shape[0], dtype=torch.bool)
+    fresh[3:10] = True  # the fresh prompt's rows: torch's SDPA in bfloat16, not a kernel
+    for layer in range(3):
+        kv32 = kv.float()
+        reference = build_metadata(step, block_size, 3, cpu_)
+        store_kv(k.float(), v.float(), kv32, layer, reference)
+        expected = paged_attention(q.float(), k.float(), v.float(), kv32, layer, reference, scale)
+        meta = build_metadata(step, block_size, 3, cpu_, kernels)
+        store_kv(k, v, kv, layer, meta)
+        got = paged_attention(q, k, v, kv, layer, meta, scale)
+        assert got.dtype == torch.bfloat16 and torch.equal(kv.float(), kv32)
+        error = (got.float() - expected).abs()
+        assert (error[~fresh] <= expected[~fresh].abs() * 2 ** -8 + 1e-5).all()
+        assert (error[fresh] <= expected[fresh].abs() * 2 ** -6 + 1e-2).all()
+
 def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(kernels):
     rng = random.Random(7)
     chunks = [(rng.randint(20, 300), 1) for _ in range(10)] + [(160, 150), (40, 77), (9, 5)]
@@ -97,6 +123,29 @@ def test_rope_store_gives_the_torch_lines_bits(kernels, heads, kv_heads, head_di
     assert torch.equal(got_q, expected_q) and torch.equal(got_k, k * cos + rotate_half(k) * sin)
     assert torch.equal(kv, expected_kv)
 
+
+
+def test_bf16_rope_store_rounds_the_fp32_lines_once(kernels):
+    heads, kv_heads, head_dim = 9, 3, 64
+    rng = random.Random(3)
+    chunks = [(0, 9), (37, 1), (5, 20)]
+    kv, _, _, _, step = _random_step(rng, heads, kv_heads, head_dim, 4, 3, chunks)
+    kv = kv.bfloat16()
+    num_tokens = sum(n for _, n in chunks)
+    qkv = (torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim) * 3).bfloat16()
+    positions = torch.cat([torch.arange(s, s + n) for s, n in chunks])
+    freqs = positions.float()[:, None] * (1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos()[:, None, :].bfloat16(), emb.sin()[:, None, :].bfloat16()
+    meta = build_metadata(step, 4, 3, torch.device("cpu"), kernels)
+    q, k, v = qkv.float().split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.reshape(num_tokens, -1, head_dim) for t in (q, k, v))
+    c, s = cos.float(), sin.float()
+    expected_q, expected_k = ((x * c + rotate_half(x) * s).bfloat16() for x in (q, k))
+    expected_kv = kv.clone()
+    store_kv(expected_k, v.bfloat16(), expected_kv, 2, meta)
+    got_q, got_k = kernels.rope_store(qkv, cos, sin, kv, meta.slot_rows, *meta.token_row_offsets(2), heads)
+    assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k) and torch.equal(kv, expected_kv)
 
 def test_engine_outputs_are_the_same_with_and_without_the_kernel(tiny_llama_dir, monkeypatch):
     prompts = [[(7 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate([5, 40, 130, 300])]

@@ -7,6 +7,7 @@ between processes); the result must equal one engine doing everything.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from services.engine import LLM, SamplingParams
 from services.engine.engine import LLMEngine
@@ -63,6 +64,19 @@ def test_prefill_then_decode_equals_one_engine(engines, tiny_llama_dir, params):
     mono = LLM(str(tiny_llama_dir), num_kv_blocks=256).generate(prompts, params)
     for i, prompt in enumerate(prompts):
         out = prefill_then_decode(prefill, decode, prompt, params, f"r{i}-{params.seed}")
+        assert out.token_ids == mono[i].token_ids, f"prompt {i} ({len(prompt)} tokens)"
+
+
+def test_prefill_then_decode_equals_one_engine_in_bf16(tiny_llama_dir):
+    """bf16 on the CPU (its kernels): the hand-over moves bf16 blocks and decode continues with
+    the same arithmetic as one engine."""
+    prefill, decode = (LLM(str(tiny_llama_dir), num_kv_blocks=256, max_num_batched_tokens=budget,
+                           dtype="bfloat16").engine for budget in (128, 2048))
+    assert prefill.runner.kv_cache.dtype == torch.bfloat16 and prefill.runner.attention_backend == "cpu"
+    prompts = random_prompts(4, [5, 17, 300, 64], seed=5)
+    mono = LLM(str(tiny_llama_dir), num_kv_blocks=256, dtype="bfloat16").generate(prompts, CASES[0])
+    for i, prompt in enumerate(prompts):
+        out = prefill_then_decode(prefill, decode, prompt, CASES[0], f"bf16-{i}")
         assert out.token_ids == mono[i].token_ids, f"prompt {i} ({len(prompt)} tokens)"
 
 

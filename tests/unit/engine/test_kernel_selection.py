@@ -21,7 +21,8 @@ CUDA = torch.device("cuda")  # a device value only: nothing here touches a GPU
     ("cuda", torch.bfloat16, False, True, "torch"),  # no triton, or turned off
     ("cpu", torch.float32, False, True, "cpu"),
     ("cpu", torch.float32, True, False, "torch"),    # no C compiler, or turned off
-    ("cpu", torch.bfloat16, True, True, "torch"),    # the C kernels are fp32 only
+    ("cpu", torch.bfloat16, True, True, "cpu"),      # the C kernels are built for fp32 and bf16
+    ("cpu", torch.float16, True, True, "torch"),     # but not fp16
     ("mps", torch.float32, True, True, "torch"),
 ])
 def test_choose(device_type, dtype, is_triton_usable, is_cpu_usable, expected):
@@ -45,7 +46,8 @@ def test_the_cpu_keeps_its_c_kernels(monkeypatch):
     monkeypatch.setattr(kernel_select, "triton_installed", lambda: True)
     expected = "torch" if cpu._compiler() is None else "cpu"
     assert kernel_select.attention_backend(torch.device("cpu"), torch.float32) == expected
-    assert kernel_select.attention_backend(torch.device("cpu"), torch.bfloat16) == "torch"
+    assert kernel_select.attention_backend(torch.device("cpu"), torch.bfloat16) == expected
+    assert kernel_select.attention_backend(torch.device("cpu"), torch.float16) == "torch"
     assert kernel_select.kernels_for(expected) is cpu.kernels()
     monkeypatch.setenv("EPD_CPU_KERNELS", "0")
     cpu.kernels.cache_clear()
