@@ -254,11 +254,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: in
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    layer: int, meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] for the new tokens -> attention output [T, H, D].
 
     The new K/V are already in the pool (:func:`store_kv`, or the CPU's ``rope_store``); fresh
-    prompts attend to k/v directly, everything else reads the pool.
+    prompts attend to k/v directly, everything else reads the pool. ``window`` > 0: a
+    sliding-window layer, each query sees only the last ``window`` positions (itself included).
     """
     num_kv_heads, head_dim, bs = kv_cache.shape[4], kv_cache.shape[5], meta.block_size
     block_rows = kv_cache.view(-1, bs, num_kv_heads, head_dim)
@@ -280,20 +281,37 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             ks, vs = k[sl].transpose(0, 1).unsqueeze(0), v[sl].transpose(0, 1).unsqueeze(0)
         else:
             ks, vs = gather(span.context_blocks, 0, 1), gather(span.context_blocks, 1, 1)
+        mask = windowed(span.mask, span.num_tokens, window, q.device)
         o = F.scaled_dot_product_attention(
-            q[sl].transpose(0, 1).unsqueeze(0), ks, vs, attn_mask=span.mask,
-            is_causal=span.mask is None, scale=scale, enable_gqa=True)
+            q[sl].transpose(0, 1).unsqueeze(0), ks, vs, attn_mask=mask,
+            is_causal=mask is None, scale=scale, enable_gqa=True)
         out[sl] = o.squeeze(0).transpose(0, 1)
     if meta.prefill_batch is not None:
         pre = meta.prefill_batch
-        meta.kernels.paged_prefill(q, out, kv_cache, layer, pre.spans, pre.tables, scale)
+        meta.kernels.paged_prefill(q, out, kv_cache, layer, pre.spans, pre.tables, scale, window)
     if meta.decode_batch is not None:
         dec = meta.decode_batch
-        meta.kernels.paged_decode(q, out, kv_cache, layer, dec.rows, dec.tables, dec.lengths, scale)
+        meta.kernels.paged_decode(q, out, kv_cache, layer, dec.rows, dec.tables, dec.lengths, scale, window)
     for group in meta.decodes:
         num_dec = group.token_index.shape[0]
         kd, vd = gather(group.blocks, 0, num_dec), gather(group.blocks, 1, num_dec)
         qd = q[group.token_index].unsqueeze(2)  # [Bd, H, 1, D]
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale, enable_gqa=True)
+        mask = group.mask
+        if window:  # positions before the last `window` of each context are out too
+            lengths = mask.sum(-1, keepdim=True)
+            mask = mask & (torch.arange(mask.shape[-1], device=mask.device) >= lengths - window)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
         out[group.token_index] = o.squeeze(2)
     return out
+
+
+def windowed(mask: torch.Tensor | None, num_tokens: int, window: int,
+             device: torch.device) -> torch.Tensor | None:
+    """A span's attention mask ([n, ctx] allowed keys; None: causal over its own n tokens) with
+    the keys before each query's window taken out too; unchanged where no window cuts."""
+    if not window or (mask.shape[1] if mask is not None else num_tokens) <= window:
+        return mask
+    if mask is None:
+        mask = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=device).tril()
+    position = mask.sum(-1, keepdim=True) - 1  # each query's: its last allowed key
+    return mask & (torch.arange(mask.shape[1], device=device)[None, :] > position - window)

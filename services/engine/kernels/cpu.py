@@ -66,9 +66,10 @@ PrefillKernel = Callable[..., None]
 @dataclass(frozen=True)
 class CpuKernels:
     paged_decode: DecodeKernel
-    """``(q, out, kv_cache, layer, rows, tables, lengths, scale)``: single-token decodes."""
+    """``(q, out, kv_cache, layer, rows, tables, lengths, scale, window=0)``: single-token decodes
+    (``window`` > 0: a sliding-window layer's)."""
     paged_prefill: PrefillKernel
-    """``(q, out, kv_cache, layer, spans, tables, scale)``: chunks of new tokens, causal."""
+    """``(q, out, kv_cache, layer, spans, tables, scale, window=0)``: chunks of new tokens, causal."""
     rope_store: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     """``(qkv, cos, sin, kv_cache, slot_rows, k_offset, v_offset, num_heads) -> (q, k)``: RoPE
     on the fused projection's q and k, k and v stored at token rows ``slot_rows + offset``."""
@@ -141,7 +142,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     for suffix in DTYPES.values():
-        for kind, num_ptrs, num_ints, restype in (("decode", 6, 8, None), ("prefill", 5, 8, i32)):
+        for kind, num_ptrs, num_ints, restype in (("decode", 6, 9, None), ("prefill", 5, 9, i32)):
             for name in [f"paged_{kind}_{suffix}"] + [f"paged_{kind}_{suffix}_d{d}" for d in SPECIALISED_HEAD_DIMS]:
                 fn = getattr(lib, name)
                 fn.argtypes = [ptr] * num_ptrs + [i64] * num_ints + [f32, i32]
@@ -182,21 +183,22 @@ def kernels() -> CpuKernels | None:
         return None
 
     def paged_decode(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-                     rows: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, scale: float) -> None:
+                     rows: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, scale: float,
+                     window: int = 0) -> None:
         _check(q, out, kv_cache, rows, tables, lengths)
         num_layers, block_size, num_kv_heads, head_dim = kv_cache.shape[1], *kv_cache.shape[3:]
         _entry(lib, "paged_decode", q.dtype, head_dim)(
             q.data_ptr(), out.data_ptr(), kv_cache.data_ptr(), rows.data_ptr(), tables.data_ptr(),
-            lengths.data_ptr(), rows.shape[0], tables.shape[1], layer, num_layers, block_size,
+            lengths.data_ptr(), rows.shape[0], tables.shape[1], window, layer, num_layers, block_size,
             q.shape[1], num_kv_heads, head_dim, scale, torch.get_num_threads())
 
     def paged_prefill(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-                      spans: torch.Tensor, tables: torch.Tensor, scale: float) -> None:
+                      spans: torch.Tensor, tables: torch.Tensor, scale: float, window: int = 0) -> None:
         _check(q, out, kv_cache, spans, tables)
         num_layers, block_size, num_kv_heads, head_dim = kv_cache.shape[1], *kv_cache.shape[3:]
         status = _entry(lib, "paged_prefill", q.dtype, head_dim)(
             q.data_ptr(), out.data_ptr(), kv_cache.data_ptr(), spans.data_ptr(), tables.data_ptr(),
-            spans.shape[0], tables.shape[1], layer, num_layers, block_size, q.shape[1],
+            spans.shape[0], tables.shape[1], window, layer, num_layers, block_size, q.shape[1],
             num_kv_heads, head_dim, scale, torch.get_num_threads())
         if status != 0:
             raise MemoryError("the CPU prefill kernel could not allocate its work list")

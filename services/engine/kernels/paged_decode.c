@@ -4,6 +4,7 @@
  *   kv     [num_blocks, num_layers, 2 (k|v), block_size, num_kv_heads, head_dim]  elem
  *   q, out [num_tokens, num_heads, head_dim]; sequence n's query is row rows[n]
  *   tables [num_seqs, max_blocks] block ids; lengths [num_seqs] context tokens (incl. the new one)
+ *   window > 0: a sliding-window layer, the query sees only the last `window` positions
  *
  * One work item per sequence: it reads each of its blocks' K and V for the layer as two
  * contiguous ranges, prefetching the next block row by row while this one is used, and keeps an
@@ -22,7 +23,7 @@
 
 static inline __attribute__((always_inline)) void decode_one(
         const elem *restrict qn, elem *restrict on, const elem *restrict kv,
-        const int64_t *restrict table, int64_t len, int64_t layer, int64_t num_layers,
+        const int64_t *restrict table, int64_t len, int64_t window, int64_t layer, int64_t num_layers,
         int64_t block_size, int64_t num_heads, int64_t num_kv_heads, const int64_t D, float scale) {
     const int64_t H = num_heads, G = num_heads / num_kv_heads, B = block_size;
     const int64_t tok_stride = num_kv_heads * D;      /* one token's K (or V), all kv heads */
@@ -33,13 +34,15 @@ static inline __attribute__((always_inline)) void decode_one(
     for (int64_t h = 0; h < H; h++) { m[h] = -FLT_MAX; l[h] = 0.f; }
     for (int64_t i = 0; i < H * D; i++) { acc[i] = 0.f; qs[i] = ld(qn[i]) * scale; }
     const int64_t num_blocks = (len + B - 1) / B;
-    for (int64_t blk = 0; blk < num_blocks; blk++) {
+    const int64_t first = window > 0 && len > window ? len - window : 0;  /* the first position seen */
+    for (int64_t blk = first / B; blk < num_blocks; blk++) {
         const int64_t ntok = len - blk * B < B ? len - blk * B : B;
+        const int64_t t0 = blk == first / B ? first % B : 0;
         const elem *kb = kv + table[blk] * block_stride + layer_offset;
         const elem *vb = kb + half;
         const char *next = blk + 1 < num_blocks
             ? (const char *)(kv + table[blk + 1] * block_stride + layer_offset) : 0;
-        for (int64_t t = 0; t < ntok; t++) {
+        for (int64_t t = t0; t < ntok; t++) {
             if (next)
                 for (int64_t off = 0; off < tok_stride * (int64_t)sizeof(elem); off += 64) {
                     __builtin_prefetch(next + t * tok_stride * sizeof(elem) + off, 0, 3);
@@ -56,14 +59,14 @@ static inline __attribute__((always_inline)) void decode_one(
         }
         for (int64_t h = 0; h < H; h++) {
             float *sh = s + h * B, mx = m[h], sum = 0.f;
-            for (int64_t t = 0; t < ntok; t++) mx = sh[t] > mx ? sh[t] : mx;
-            for (int64_t t = 0; t < ntok; t++) { sh[t] = expf(sh[t] - mx); sum += sh[t]; }
+            for (int64_t t = t0; t < ntok; t++) mx = sh[t] > mx ? sh[t] : mx;
+            for (int64_t t = t0; t < ntok; t++) { sh[t] = expf(sh[t] - mx); sum += sh[t]; }
             const float corr = expf(m[h] - mx);
             l[h] = l[h] * corr + sum;
             m[h] = mx;
             for (int64_t d = 0; d < D; d++) acc[h * D + d] *= corr;
         }
-        for (int64_t t = 0; t < ntok; t++) {
+        for (int64_t t = t0; t < ntok; t++) {
             const elem *vt = vb + t * tok_stride;
             for (int64_t h = 0; h < H; h++) {
                 const float p = s[h * B + t];
@@ -80,13 +83,13 @@ static inline __attribute__((always_inline)) void decode_one(
 #define PAGED_DECODE(name, HEAD_DIM)                                                          \
     void name(const elem *q, elem *out, const elem *kv, const int64_t *rows,                   \
               const int64_t *tables, const int64_t *lengths, int64_t num_seqs,                 \
-              int64_t max_blocks, int64_t layer, int64_t num_layers, int64_t block_size,       \
-              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,          \
-              int num_threads) {                                                               \
+              int64_t max_blocks, int64_t window, int64_t layer, int64_t num_layers,           \
+              int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,   \
+              float scale, int num_threads) {                                                  \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")              \
         for (int64_t n = 0; n < num_seqs; n++)                                                 \
             decode_one(q + rows[n] * num_heads * head_dim, out + rows[n] * num_heads * head_dim, \
-                       kv, tables + n * max_blocks, lengths[n], layer, num_layers, block_size, \
+                       kv, tables + n * max_blocks, lengths[n], window, layer, num_layers, block_size, \
                        num_heads, num_kv_heads, HEAD_DIM, scale);                              \
     }
 

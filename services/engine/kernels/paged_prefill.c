@@ -6,6 +6,9 @@
  *   q, out [num_tokens, num_heads, head_dim]
  *   spans  [num_spans, 3]: first row in q, number of new tokens, position of the first
  *   tables [num_spans, max_blocks] block ids
+ *   window > 0: a sliding-window layer, a query sees only the last `window` positions (itself
+ *           included); a lane whose first keys all lie before its window gets exact zeros from
+ *           them (their weight is wiped by the correction exp(MASKED - s) = 0 at its first key)
  *
  * Work item: one span, one kv head, a tile of LANES queries (row r, head h of the group, taken
  * row-major), one per vector lane. Everything is computed a lane per query, with Q and O kept
@@ -95,7 +98,7 @@ static int by_cost_desc(const void *a, const void *b) {
 
 static inline __attribute__((always_inline)) void prefill_tile(
         const elem *restrict q, elem *restrict out, const elem *restrict kv,
-        const int64_t *restrict table, int64_t first_row, int64_t num_new, int64_t start,
+        const int64_t *restrict table, int64_t first_row, int64_t num_new, int64_t start, int64_t window,
         int64_t kv_head, int64_t first_lane, int64_t layer, int64_t num_layers, int64_t B,
         int64_t num_heads, int64_t num_kv_heads, const int64_t D, float scale) {
     const int64_t G = num_heads / num_kv_heads, num_lanes_total = num_new * G;
@@ -119,7 +122,10 @@ static inline __attribute__((always_inline)) void prefill_tile(
     for (int64_t d = 0; d < D; d++) ot[d][0] = ot[d][1] = splat(0.f);
     for (int v = 0; v < 2; v++) { m[v] = splat(MASKED); l[v] = splat(0.f); }
     const int64_t ctx = max_pos + 1;
-    for (int64_t c0 = 0; c0 < ctx; c0 += CHUNK) {
+    /* A key before lo lies outside every lane's window; one before hi outside some lane's. */
+    const int64_t lo = window > 0 && min_pos + 1 > window ? min_pos + 1 - window : 0;
+    const int64_t hi = window > 0 ? max_pos + 1 - window : 0;
+    for (int64_t c0 = lo; c0 < ctx; c0 += CHUNK) {
         const int64_t nt = ctx - c0 < CHUNK ? ctx - c0 : CHUNK;
         const elem *krow[CHUNK];
         for (int64_t t = 0; t < nt; t++) {
@@ -133,6 +139,10 @@ static inline __attribute__((always_inline)) void prefill_tile(
             for (t = 0; t < nt; t++)
                 for (int v = 0; v < 2; v++)
                     s[t][v] = vselect(splat((float)(c0 + t)) > posv[v], splat(MASKED), s[t][v]);
+        if (c0 < hi)  /* some key here lies before some query's window */
+            for (t = 0; t < nt; t++)
+                for (int v = 0; v < 2; v++)
+                    s[t][v] = vselect(splat((float)(c0 + t + window)) <= posv[v], splat(MASKED), s[t][v]);
         for (int v = 0; v < 2; v++) {
             vf mx = m[v], sum = {0};
             for (t = 0; t < nt; t++) mx = vmax(mx, s[t][v]);
@@ -154,9 +164,9 @@ static inline __attribute__((always_inline)) void prefill_tile(
 
 #define PAGED_PREFILL(name, HEAD_DIM)                                                          \
     int name(const elem *q, elem *out, const elem *kv, const int64_t *spans,                   \
-             const int64_t *tables, int64_t num_spans, int64_t max_blocks, int64_t layer,      \
-             int64_t num_layers, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,  \
-             int64_t head_dim, float scale, int num_threads) {                                 \
+             const int64_t *tables, int64_t num_spans, int64_t max_blocks, int64_t window,     \
+             int64_t layer, int64_t num_layers, int64_t block_size, int64_t num_heads,         \
+             int64_t num_kv_heads, int64_t head_dim, float scale, int num_threads) {           \
         const int64_t G = num_heads / num_kv_heads;                                            \
         int64_t num_items = 0;                                                                 \
         for (int64_t s = 0; s < num_spans; s++)                                                \
@@ -177,7 +187,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")              \
         for (int64_t i = 0; i < num_items; i++) {                                              \
             const int64_t *sp = spans + 3 * items[i].span;                                     \
-            prefill_tile(q, out, kv, tables + items[i].span * max_blocks, sp[0], sp[1], sp[2], \
+            prefill_tile(q, out, kv, tables + items[i].span * max_blocks, sp[0], sp[1], sp[2], window, \
                          items[i].kv_head, items[i].first_lane, layer, num_layers, block_size, \
                          num_heads, num_kv_heads, HEAD_DIM, scale);                            \
         }                                                                                      \

@@ -37,7 +37,7 @@ ROWS = 64
 def _paged_attention_kernel(
         q_ptr, out_ptr, kv_ptr, rows_ptr, lengths_ptr, spans_ptr, tables_ptr,
         q_stride_t, q_stride_h, out_stride_t, out_stride_h, table_stride,
-        layer_offset, v_offset, block_stride, scale,
+        layer_offset, v_offset, block_stride, scale, window,
         IS_DECODE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, NUM_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -70,7 +70,10 @@ def _paged_attention_kernel(
         l_i = tl.zeros([NUM_ROWS], tl.float32)
         acc = tl.zeros([NUM_ROWS, HEAD_DIM_PAD], tl.float32)
         table = tables_ptr + seq.to(tl.int64) * table_stride
-        for key_start in range(0, kv_len, BLOCK_N):
+        # window > 0 (a sliding-window layer): a query sees only its last `window` positions, so
+        # keys before the tile's first query's window are skipped.
+        key_lo = tl.where(window > 0, tl.maximum(start + tile_start + 1 - window, 0), 0) // BLOCK_N * BLOCK_N
+        for key_start in range(key_lo, kv_len, BLOCK_N):
             pos = key_start + tl.arange(0, BLOCK_N)
             is_key = pos < kv_len
             block = tl.load(table + pos // BLOCK_SIZE, mask=is_key, other=0).to(tl.int64)
@@ -79,23 +82,27 @@ def _paged_attention_kernel(
             kv_mask = is_key[:, None] & is_dim[None, :]
             k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            # Every row sees key 0, so m_new is finite from the first step on (no inf - inf).
-            s = tl.where(is_key[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            is_seen = is_key[None, :] & (pos[None, :] <= q_pos[:, None])
+            is_seen &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(is_seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
+            # A row that has seen no key yet (its window starts later) keeps m = -inf: exp from 0.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(kv_ptr + v_offset + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
-        o = acc / l_i[:, None]
+        # Padding rows (past the chunk, or past the group) may have seen no key in their window.
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + (q_rows * out_stride_t + head * out_stride_h)[:, None] + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=is_row[:, None] & is_dim[None, :])
 
 
 def _launch(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, layer: int, tables: torch.Tensor,
             scale: float, grid_seqs: int, num_tiles: int, block_m: int, is_decode: bool,
-            rows: torch.Tensor, lengths: torch.Tensor, spans: torch.Tensor) -> None:
+            rows: torch.Tensor, lengths: torch.Tensor, spans: torch.Tensor, window: int) -> None:
     num_layers, _, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
     num_heads = q.shape[1]
     assert kv_cache.is_contiguous() and q.stride(2) == 1 and out.stride(2) == 1
@@ -110,7 +117,7 @@ def _launch(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, layer: i
     _paged_attention_kernel[(grid_seqs, num_kv_heads, num_tiles)](
         q, out, kv_cache, rows, lengths, spans, tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
-        2 * layer * kv_size, kv_size, num_layers * 2 * kv_size, scale,
+        2 * layer * kv_size, kv_size, num_layers * 2 * kv_size, scale, window,
         IS_DECODE=is_decode, GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, NUM_ROWS=num_rows,
         BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
@@ -119,14 +126,16 @@ def _launch(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, layer: i
 
 
 def paged_decode(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-                 rows: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, scale: float) -> None:
+                 rows: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, scale: float,
+                 window: int = 0) -> None:
     """Single-token decodes: ``out[rows[i]]`` = attention of ``q[rows[i]]`` [H, D] over the first
-    ``lengths[i]`` positions of block table ``tables[i]`` (the new token's K/V already stored)."""
-    _launch(q, out, kv_cache, layer, tables, scale, rows.shape[0], 1, 1, True, rows, lengths, rows)
+    ``lengths[i]`` positions of block table ``tables[i]`` (the new token's K/V already stored;
+    ``window`` > 0: only the last ``window`` of them)."""
+    _launch(q, out, kv_cache, layer, tables, scale, rows.shape[0], 1, 1, True, rows, lengths, rows, window)
 
 
 def paged_prefill(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-                  spans: torch.Tensor, tables: torch.Tensor, scale: float) -> None:
+                  spans: torch.Tensor, tables: torch.Tensor, scale: float, window: int = 0) -> None:
     """Chunks of new tokens, causal from each chunk's start: ``spans[i]`` = (first row of the flat
     batch, number of new tokens, start position), over block table ``tables[i]``."""
     group_pad = triton.next_power_of_2(q.shape[1] // kv_cache.shape[4])
@@ -134,7 +143,7 @@ def paged_prefill(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, la
     # A bound on any chunk's length that needs no device sync: programs past a chunk's end exit.
     longest = min(q.shape[0], tables.shape[1] * kv_cache.shape[3])
     _launch(q, out, kv_cache, layer, tables, scale, spans.shape[0], triton.cdiv(longest, block_m), block_m,
-            False, spans, spans, spans)
+            False, spans, spans, spans, window)
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,26 @@ class ModelConfig:
     image_token_id: int | None = None
     """The placeholder token of an image (a LLaVA directory's ``image_token_id`` /
     ``image_token_index``); None: the checkpoint is text-only."""
+    sliding_window: int | None = None
+    """Tokens a sliding-window layer's query sees (itself and the W - 1 before it)."""
+    layer_types: tuple[str, ...] = ()
+    """Per layer, "full_attention" or "sliding_attention" (transformers' ``layer_types``); ()
+    is every layer full."""
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+        assert not self.layer_types or len(self.layer_types) == self.num_layers, "one layer type per layer"
+        assert set(self.layer_types) <= {"full_attention", "sliding_attention"}, self.layer_types
+        assert self.sliding_window is None or self.sliding_window > 0
+
+    def window(self, layer: int) -> int:
+        """The sliding window of ``layer``; 0 for a full-attention layer."""
+        is_sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if is_sliding and self.sliding_window else 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        return any(self.window(layer) for layer in range(self.num_layers))
 
     @classmethod
     def from_hf_dict(cls, cfg: dict, name: str = "model") -> "ModelConfig":
@@ -53,6 +70,7 @@ class ModelConfig:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        window, layer_types = _sliding_window(cfg, arch)
         rope_theta = cfg.get("rope_theta")
         rope_scaling = cfg.get("rope_scaling")
         params = cfg.get("rope_parameters")  # transformers >= 5 moves theta/scaling here
@@ -78,6 +96,8 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
+            sliding_window=window,
+            layer_types=layer_types,
         )
 
     def to_hf_dict(self) -> dict:
@@ -105,11 +125,26 @@ class ModelConfig:
         if self.architecture == "llama":
             cfg["attention_bias"] = self.attention_bias
             cfg["mlp_bias"] = False
+        if self.is_hybrid:
+            cfg.update(use_sliding_window=True, sliding_window=self.sliding_window, layer_types=list(self.layer_types))
         return cfg
 
     @property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def _sliding_window(cfg: dict, arch: str) -> tuple[int | None, tuple[str, ...]]:
+    """(window, layer types) of a config.json: Qwen2's ``layer_types`` (transformers >= 4.53
+    writes them; older ones mean ``max_window_layers``: layers from that index on slide)."""
+    window = cfg.get("sliding_window")
+    if arch != "qwen2" or not cfg.get("use_sliding_window") or not window:
+        return None, ()
+    types = cfg.get("layer_types")
+    if types is None:
+        first = cfg.get("max_window_layers", cfg["num_hidden_layers"])
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(cfg["num_hidden_layers"])]
+    return (int(window), tuple(types)) if "sliding_attention" in types else (None, ())
 
 
 def llava_image_token_id(cfg: dict) -> int:

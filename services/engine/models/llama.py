@@ -106,6 +106,8 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
         self.scale = cfg.head_dim ** -0.5
+        self.window = cfg.window(layer)
+        """Sliding-window layers' window (0: full attention)."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -123,7 +125,7 @@ class Attention(nn.Module):
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             store_kv(k, v, kv_cache, self.layer, meta)
-        o = paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale)
+        o = paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale, self.window)
         return self.o_proj(o.reshape(-1, self.q_size), packed)
 
 

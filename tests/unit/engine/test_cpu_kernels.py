@@ -24,13 +24,15 @@ def _random_step(rng: random.Random, num_heads: int, num_kv_heads: int, head_dim
     return kv, q, k, v, [(start, n, t) for (start, n), t in zip(chunks, tables)]
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [
-    (9, 3, 64, 16),   # SmolLM2's shape: the specialised head_dim 64
-    (8, 2, 128, 16),  # the specialised head_dim 128
-    (4, 4, 16, 4),    # no grouping, the generic entry point
-    (6, 2, 24, 8),    # a head_dim that is no multiple of the vector width
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size, window", [
+    (9, 3, 64, 16, 0),   # SmolLM2's shape: the specialised head_dim 64
+    (8, 2, 128, 16, 0),  # the specialised head_dim 128
+    (4, 4, 16, 4, 0),    # no grouping, the generic entry point
+    (6, 2, 24, 8, 0),    # a head_dim that is no multiple of the vector width
+    (9, 3, 64, 16, 21),  # sliding-window layers: windows across block edges, shorter and
+    (4, 4, 16, 4, 5),    # longer than chunks and tiles
 ])
-def test_kernels_match_the_torch_path(kernels, heads, kv_heads, head_dim, block_size):
+def test_kernels_match_the_torch_path(kernels, heads, kv_heads, head_dim, block_size, window):
     rng = random.Random(heads * head_dim)
     # Decodes of every kind of length (one token, exact multiples of the block, long); prompts
     # fresh and continued, of one token, of less than a tile, of many tiles, ending on a block
@@ -46,7 +48,7 @@ def test_kernels_match_the_torch_path(kernels, heads, kv_heads, head_dim, block_
     for layer in range(3):
         torch_meta = build_metadata(step, block_size, 3, torch.device("cpu"))
         store_kv(k, v, kv, layer, torch_meta)
-        expected = paged_attention(q, k, v, kv, layer, torch_meta, scale)
+        expected = paged_attention(q, k, v, kv, layer, torch_meta, scale, window)
         fused_meta = build_metadata(step, block_size, 3, torch.device("cpu"), kernels)
         assert fused_meta.decodes == [] and not fused_meta.decode_only
         assert fused_meta.decode_batch.rows.tolist() == [firsts[i] for i in (0, 1, 2, 6, 7)]
@@ -55,7 +57,7 @@ def test_kernels_match_the_torch_path(kernels, heads, kv_heads, head_dim, block_
             (firsts[i], n) for i, (start, n) in enumerate(chunks) if (start, n) in prefills and start == 0]
         assert fused_meta.prefill_batch.spans.tolist() == [
             [firsts[i], n, start] for i, (start, n) in enumerate(chunks) if (start, n) in prefills and start > 0]
-        got = paged_attention(q, k, v, kv, layer, fused_meta, scale)
+        got = paged_attention(q, k, v, kv, layer, fused_meta, scale, window)
         assert (got - expected).abs().max().item() < 1e-5
 
 

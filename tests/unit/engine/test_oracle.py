@@ -25,6 +25,10 @@ VARIANTS = {
                                                "original_max_position_embeddings": 256}}),
     "linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "no-gqa": ("llama", {"num_key_value_heads": 4}),
+    # The hybrid family: sliding-window layers (a window of 24, across block edges) between full
+    # ones; the prompts (300 tokens, 64 more generated) run far past the window.
+    "qwen2-hybrid": ("qwen2", {"num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 24,
+                               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
 }
 
 

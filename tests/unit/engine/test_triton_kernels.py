@@ -93,8 +93,9 @@ def test_prefill_matches_the_reference(heads, kv_heads, head_dim, block_size):
     assert (out - expected).abs().max().item() <= TOLERANCE
 
 
+@pytest.mark.parametrize("window", [0, 6], ids=["full", "sliding"])
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", SHAPES[1:3])
-def test_attention_with_the_kernels_matches_the_torch_path(heads, kv_heads, head_dim, block_size):
+def test_attention_with_the_kernels_matches_the_torch_path(heads, kv_heads, head_dim, block_size, window):
     rng = random.Random(11)
     # Decodes, fresh prompts (SDPA in both) and continued chunks, interleaved in one step.
     chunks = [(0, 1), (block_size - 1, 1), (0, 9), (block_size, 1), (block_size + 3, 20), (30, 1), (8, 8)]
@@ -103,12 +104,12 @@ def test_attention_with_the_kernels_matches_the_torch_path(heads, kv_heads, head
     scale = head_dim ** -0.5
     torch_meta = build_metadata(step, block_size, 3, CPU)
     store_kv(k, v, kv, 2, torch_meta)
-    expected = paged_attention(q, k, v, kv, 2, torch_meta, scale)
+    expected = paged_attention(q, k, v, kv, 2, torch_meta, scale, window)
     meta = build_metadata(step, block_size, 3, CPU, triton_attention.TritonKernels())
     assert meta.decodes == [] and meta.decode_batch.rows.tolist() == [1, 11, 32]
     assert meta.prefill_batch.spans.tolist() == [[12, 20, block_size + 3], [33, 8, 8]]
     assert [(s.token_start, s.num_tokens) for s in meta.spans] == [(0, 1), (2, 9)]
-    got = paged_attention(q, k, v, kv, 2, meta, scale)
+    got = paged_attention(q, k, v, kv, 2, meta, scale, window)
     assert (got - expected).abs().max().item() <= TOLERANCE
 
 
