@@ -213,6 +213,28 @@ def test_cpu_minimal_moves_kv_over_tcp(render):
         assert env_values(main_container(workload(objects, role)))[f"EPD_{role.upper()}_KV_TRANSPORT"] == "tcp"
 
 
+
+@pytest.mark.parametrize("transport, expected", [("tcp", "tcp"), ("nixl", "auto")])
+def test_the_encoder_lends_rows_from_its_data_port_and_dev_shm(render, transport, expected):
+    """Prefill reads an image's embedding rows one-sided from the encoder (issue 20): its data
+    server listens on the transfer port, is advertised at the pod's IP, open to the engines, and
+    its region (cache_mib) lives in a memory-backed /dev/shm above the container's 64 MiB."""
+    objects = render("cpu-minimal", f"kv.transport={transport}", "networkPolicy.enabled=true")
+    encoder = workload(objects, "encoder")
+    container = main_container(encoder)
+    assert {"name": "transfer", "containerPort": 50052, "protocol": "TCP"} in container["ports"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["EPD_ENCODER_TRANSFER_PORT"]["value"] == "50052"
+    assert env["EPD_ENCODER_KV_TRANSPORT"]["value"] == expected  # the encoder lends over shm / TCP only
+    assert env["EPD_ENCODER_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    [shm] = [v for v in encoder["spec"]["template"]["spec"]["volumes"] if v["name"] == "shm"]
+    assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"] == "512Mi"
+    assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    [policy] = [p["spec"] for p in of_kind(objects, "NetworkPolicy")
+                if p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "encoder"]
+    peers = policy["ingress"][0]
+    assert "prefill" in policy_sources(peers) and [p["port"] for p in peers["ports"]] == ["grpc", "transfer"]
+
 def test_grpc_roles_are_probed_with_the_standard_health_service(render):
     from services.launcher import _SERVICES
 

@@ -72,7 +72,7 @@ What differs between roles beyond their values:
 {{- define "epd.roles" -}}
 router:  {module: services.router,  kind: Deployment,  env: ROUTER,  probe: http, values: router}
 planner: {module: services.router,  kind: Deployment,  env: ROUTER,  probe: http, values: router}
-encoder: {module: services.encoder, kind: Deployment,  env: ENCODER, probe: grpc, grpcService: epd.v1.Encoder, engine: true, values: encoder}
+encoder: {module: services.encoder, kind: Deployment,  env: ENCODER, probe: grpc, grpcService: epd.v1.Encoder, engine: true, transfer: true, values: encoder}
 prefill: {module: services.prefill, kind: Deployment,  env: PREFILL, probe: grpc, grpcService: epd.v1.Prefill, engine: true, instanceId: true, transfer: true, kvClient: true, values: prefill}
 decode:  {module: services.decode,  kind: Deployment,  env: DECODE,  probe: grpc, grpcService: epd.v1.Decode,  engine: true, instanceId: true, transfer: true, kvClient: true, values: decode}
 kvstore: {module: services.kvstore, kind: StatefulSet, env: KVSTORE, probe: grpc, grpcService: epd.v1.KVStore, transfer: true, values: kvstore}

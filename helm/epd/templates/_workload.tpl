@@ -184,7 +184,10 @@ downward API and are listed first, so later values can refer to them as $(NAME).
 {{- end -}}
 {{- if $spec.transfer -}}
 {{- $_ := set $managed "transfer_port" $v.transferPort -}}
-{{- $_ := set $managed "kv_transport" $root.Values.kv.transport -}}
+{{- /* The encoder lends rows over shm / TCP only (auto picks): not over NIXL. */ -}}
+{{- $transport := $root.Values.kv.transport -}}
+{{- if and (eq $role "encoder") (eq $transport "nixl") -}}{{- $transport = "auto" -}}{{- end -}}
+{{- $_ := set $managed "kv_transport" $transport -}}
 {{- if eq $role "kvstore" -}}
 {{- /* Store nodes are reached by their stable DNS names, which survive a restart (the pod IP
 does not); the headless Service publishes them before the node is ready. */ -}}
