@@ -84,6 +84,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs, sorted by id: the bias is added to the token's logit after the
     grammar mask, before penalties and sampling (a mapping is accepted and sorted)."""
+    num_speculative_tokens: int | None = None
+    """Most draft tokens a step verifies for this request where the engine drafts (its
+    ``speculative_config``; the name is that config's): 0 turns drafting off for it; None: the
+    engine's own number. Outputs are the same either way; only the speed differs."""
 
     def __post_init__(self) -> None:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
@@ -131,6 +135,10 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not INT64_MIN <= self.seed <= INT64_MAX):
             raise bad("seed", f"must be an integer in [{INT64_MIN}, {INT64_MAX}] or None")
+        if self.num_speculative_tokens is not None and (
+                not isinstance(self.num_speculative_tokens, int) or isinstance(self.num_speculative_tokens, bool)
+                or not 0 <= self.num_speculative_tokens <= INT32_MAX):
+            raise bad("num_speculative_tokens", f"must be an integer in [0, {INT32_MAX}] or None")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20] or None")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -173,6 +173,8 @@ def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.num_speculative_tokens is not None:
+        msg.num_speculative_tokens = params.num_speculative_tokens
     if params.structured is not None:
         msg.structured.kind, msg.structured.spec = params.structured.kind, params.structured.spec
     msg.logit_bias.update(params.logit_bias)
@@ -183,6 +185,7 @@ def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
         seed=msg.seed if msg.HasField("seed") else None,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        num_speculative_tokens=msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else None,
         structured=(StructuredOutput(msg.structured.kind, msg.structured.spec)
                     if msg.HasField("structured") else None),
         stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,

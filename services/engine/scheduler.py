@@ -278,9 +278,12 @@ class Scheduler:
         if seq.draft is None:
             seq.draft = DraftState(self.speculative)
         params = seq.params
-        # Drafts past max_tokens or the context would be verified for nothing.
+        # Drafts past max_tokens or the context would be verified for nothing; the request may
+        # ask for fewer (num_speculative_tokens, 0: none).
         max_tokens = min(max_tokens, params.max_tokens - seq.num_output_tokens - 1,
                          self.max_model_len - len(seq) - 1)
+        if params.num_speculative_tokens is not None:
+            max_tokens = min(max_tokens, params.num_speculative_tokens)
         drafts = self._drafter.propose(seq.token_ids, seq.draft, max_tokens) if max_tokens > 0 else []
         if not drafts or self.block_manager.allocate_slots(seq, 1 + len(drafts)) is None:
             return []

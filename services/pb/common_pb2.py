@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.pb import kvstore_pb2 as kvstore__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x63ommon.proto\x12\x06\x65pd.v1\x1a\rkvstore.proto\"\xfd\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x01\x12\x12\n\nmax_tokens\x18\x08 \x01(\x05\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12\x11\n\x04seed\x18\n \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x01\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x0f \x01(\x08\x12,\n\nstructured\x18\x10 \x01(\x0b\x32\x18.epd.v1.StructuredOutput\x12\x39\n\nlogit_bias\x18\x11 \x03(\x0b\x32%.epd.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"4\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"R\n\x10RemoteEmbeddings\x12 \n\x06handle\x18\x01 \x01(\x0b\x32\x10.epd.v1.KVHandle\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x92\x01\n\nImageInput\x12\x12\n\nimage_hash\x18\x01 \x01(\x0c\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\"\n\nembeddings\x18\x03 \x01(\x0b\x32\x0e.epd.v1.Tensor\x12(\n\x06remote\x18\x04 \x01(\x0b\x32\x18.epd.v1.RemoteEmbeddings\x12\x10\n\x08num_rows\x18\x05 \x01(\x05\"\xb2\x01\n\x0bRequestSpec\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12&\n\x06params\x18\x03 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\"\n\x06images\x18\x04 \x03(\x0b\x32\x12.epd.v1.ImageInput\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x15\n\rrequest_class\x18\x06 \x01(\t\"F\n\nStopReason\x12\x15\n\x0bstop_string\x18\x01 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x02 \x01(\x05H\x00\x42\x08\n\x06reason\"\x8b\x03\n\nLoadReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12!\n\x19num_queued_prefill_tokens\x18\x05 \x01(\x03\x12\x1c\n\x14num_kv_tokens_in_use\x18\x06 \x01(\x03\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x08 \x01(\x05\x12\x12\n\nnum_leases\x18\t \x01(\x05\x12\x1d\n\x15num_patches_in_flight\x18\n \x01(\x05\x12\x1b\n\x13step_time_samples_s\x18\x0b \x03(\x01\x12\x13\n\x0bis_draining\x18\x0c \x01(\x08\x12\x1f\n\x17num_transfers_in_flight\x18\r \x01(\x05\x12 \n\x18queued_prefill_compute_s\x18\x0e \x01(\x01\x12\x14\n\x0cnum_restarts\x18\x0f \x01(\x05\"\r\n\x0bLoadRequest\"&\n\x10WatchLoadRequest\x12\x12\n\ninterval_s\x18\x01 \x01(\x01\"\xf1\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x16\n\x0etokenizer_json\x18\x06 \x01(\t\x12\x1d\n\x15tokenizer_config_json\x18\x07 \x01(\t\x12\x1b\n\x0eimage_token_id\x18\x08 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0bhidden_size\x18\t \x01(\x05\x42\x11\n\x0f_image_token_id\"\x12\n\x10ModelInfoRequestb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0c\x63ommon.proto\x12\x06\x65pd.v1\x1a\rkvstore.proto\"\xbd\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x01\x12\x12\n\nmax_tokens\x18\x08 \x01(\x05\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12\x11\n\x04seed\x18\n \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x01\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x0f \x01(\x08\x12,\n\nstructured\x18\x10 \x01(\x0b\x32\x18.epd.v1.StructuredOutput\x12\x39\n\nlogit_bias\x18\x11 \x03(\x0b\x32%.epd.v1.SamplingParams.LogitBiasEntry\x12#\n\x16num_speculative_tokens\x18\x12 \x01(\x05H\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x19\n\x17_num_speculative_tokens\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"4\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"R\n\x10RemoteEmbeddings\x12 \n\x06handle\x18\x01 \x01(\x0b\x32\x10.epd.v1.KVHandle\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x92\x01\n\nImageInput\x12\x12\n\nimage_hash\x18\x01 \x01(\x0c\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\"\n\nembeddings\x18\x03 \x01(\x0b\x32\x0e.epd.v1.Tensor\x12(\n\x06remote\x18\x04 \x01(\x0b\x32\x18.epd.v1.RemoteEmbeddings\x12\x10\n\x08num_rows\x18\x05 \x01(\x05\"\xb2\x01\n\x0bRequestSpec\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12&\n\x06params\x18\x03 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\"\n\x06images\x18\x04 \x03(\x0b\x32\x12.epd.v1.ImageInput\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x15\n\rrequest_class\x18\x06 \x01(\t\"F\n\nStopReason\x12\x15\n\x0bstop_string\x18\x01 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x02 \x01(\x05H\x00\x42\x08\n\x06reason\"\x8b\x03\n\nLoadReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12!\n\x19num_queued_prefill_tokens\x18\x05 \x01(\x03\x12\x1c\n\x14num_kv_tokens_in_use\x18\x06 \x01(\x03\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x08 \x01(\x05\x12\x12\n\nnum_leases\x18\t \x01(\x05\x12\x1d\n\x15num_patches_in_flight\x18\n \x01(\x05\x12\x1b\n\x13step_time_samples_s\x18\x0b \x03(\x01\x12\x13\n\x0bis_draining\x18\x0c \x01(\x08\x12\x1f\n\x17num_transfers_in_flight\x18\r \x01(\x05\x12 \n\x18queued_prefill_compute_s\x18\x0e \x01(\x01\x12\x14\n\x0cnum_restarts\x18\x0f \x01(\x05\"\r\n\x0bLoadRequest\"&\n\x10WatchLoadRequest\x12\x12\n\ninterval_s\x18\x01 \x01(\x01\"\xf1\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x16\n\x0etokenizer_json\x18\x06 \x01(\t\x12\x1d\n\x15tokenizer_config_json\x18\x07 \x01(\t\x12\x1b\n\x0eimage_token_id\x18\x08 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0bhidden_size\x18\t \x01(\x05\x42\x11\n\x0f_image_token_id\"\x12\n\x10ModelInfoRequestb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,31 +35,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=549
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=479
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=527
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=551
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=597
-  _globals['_TOKENLOGPROBS']._serialized_start=599
-  _globals['_TOKENLOGPROBS']._serialized_end=694
-  _globals['_TENSOR']._serialized_start=696
-  _globals['_TENSOR']._serialized_end=748
-  _globals['_REMOTEEMBEDDINGS']._serialized_start=750
-  _globals['_REMOTEEMBEDDINGS']._serialized_end=832
-  _globals['_IMAGEINPUT']._serialized_start=835
-  _globals['_IMAGEINPUT']._serialized_end=981
-  _globals['_REQUESTSPEC']._serialized_start=984
-  _globals['_REQUESTSPEC']._serialized_end=1162
-  _globals['_STOPREASON']._serialized_start=1164
-  _globals['_STOPREASON']._serialized_end=1234
-  _globals['_LOADREPORT']._serialized_start=1237
-  _globals['_LOADREPORT']._serialized_end=1632
-  _globals['_LOADREQUEST']._serialized_start=1634
-  _globals['_LOADREQUEST']._serialized_end=1647
-  _globals['_WATCHLOADREQUEST']._serialized_start=1649
-  _globals['_WATCHLOADREQUEST']._serialized_end=1687
-  _globals['_MODELINFO']._serialized_start=1690
-  _globals['_MODELINFO']._serialized_end=1931
-  _globals['_MODELINFOREQUEST']._serialized_start=1933
-  _globals['_MODELINFOREQUEST']._serialized_end=1951
+  _globals['_SAMPLINGPARAMS']._serialized_end=613
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=516
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=564
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=615
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=661
+  _globals['_TOKENLOGPROBS']._serialized_start=663
+  _globals['_TOKENLOGPROBS']._serialized_end=758
+  _globals['_TENSOR']._serialized_start=760
+  _globals['_TENSOR']._serialized_end=812
+  _globals['_REMOTEEMBEDDINGS']._serialized_start=814
+  _globals['_REMOTEEMBEDDINGS']._serialized_end=896
+  _globals['_IMAGEINPUT']._serialized_start=899
+  _globals['_IMAGEINPUT']._serialized_end=1045
+  _globals['_REQUESTSPEC']._serialized_start=1048
+  _globals['_REQUESTSPEC']._serialized_end=1226
+  _globals['_STOPREASON']._serialized_start=1228
+  _globals['_STOPREASON']._serialized_end=1298
+  _globals['_LOADREPORT']._serialized_start=1301
+  _globals['_LOADREPORT']._serialized_end=1696
+  _globals['_LOADREQUEST']._serialized_start=1698
+  _globals['_LOADREQUEST']._serialized_end=1711
+  _globals['_WATCHLOADREQUEST']._serialized_start=1713
+  _globals['_WATCHLOADREQUEST']._serialized_end=1751
+  _globals['_MODELINFO']._serialized_start=1754
+  _globals['_MODELINFO']._serialized_end=1995
+  _globals['_MODELINFOREQUEST']._serialized_start=1997
+  _globals['_MODELINFOREQUEST']._serialized_end=2015
 # @@protoc_insertion_point(module_scope)

@@ -176,6 +176,7 @@ class RangedFields(Protocol):
     n: int | None
     top_k: int | None
     min_tokens: int
+    num_speculative_tokens: int | None
     stop_token_ids: list[int] | None
     stop: str | list[str] | None
 
@@ -190,6 +191,7 @@ def check_ranges(body: RangedFields) -> None:
                       f"seed + {body.n - 1}, and each must be at most {INT64_MAX}", "seed")
     _check_range(body.top_k, "top_k", -1, INT32_MAX)
     _check_range(body.min_tokens, "min_tokens", 0, INT32_MAX)
+    _check_range(body.num_speculative_tokens, "num_speculative_tokens", 0, INT32_MAX)
     stop_token_ids = body.stop_token_ids or ()
     if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise invalid(f"stop_token_ids has {len(stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are accepted",

@@ -16,7 +16,8 @@ Supported (``POST /v1/chat/completions`` and ``POST /v1/completions``):
 * Sampling: ``temperature``, ``top_p``, ``seed``, ``stop`` (string or list), ``presence_penalty``,
   ``frequency_penalty``, ``max_tokens`` (chat also ``max_completion_tokens``, which wins), and the
   vLLM-style extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-  ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``. ``max_tokens`` defaults, as OpenAI's
+  ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``num_speculative_tokens`` (the
+  request's cap on draft tokens a step; 0: none). ``max_tokens`` defaults, as OpenAI's
   do, to the rest of the context (``max_model_len - prompt tokens``) for chat and to 16 (or the
   rest of the context, if less) for completions.
 * ``logit_bias``: ``{"token id": bias}``, at most 300 ids of the vocabulary, biases in [-100, 100],
@@ -340,7 +341,8 @@ def sampling_params(body: SamplingFields, num_prompt_tokens: int, max_model_len:
                       max_tokens_param, "context_length_exceeded", PromptTooLongError)
     optional = {name: getattr(body, name) for name in
                 ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty") if getattr(body, name) is not None}
+                 "frequency_penalty", "repetition_penalty", "num_speculative_tokens")
+                if getattr(body, name) is not None}
     if max_tokens is None:
         # A default below min_tokens would refuse a request that set no max_tokens: min_tokens wins.
         max_tokens = room if default_max_tokens is None else min(max(default_max_tokens, body.min_tokens), room)

@@ -130,6 +130,9 @@ class SamplingFields(_Body):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    num_speculative_tokens: int | None = None
+    """Most draft tokens per step for this request where decode drafts (0: none; the name is
+    vLLM's speculative_config field)."""
     return_token_ids: bool = False
     """vLLM extension: choices also carry the generated ``token_ids`` (a stream's chunks, the
     ids new since the previous chunk)."""

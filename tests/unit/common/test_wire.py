@@ -15,7 +15,8 @@ from services.common.sampling_params import SamplingParams, TokenLogprobs
                    frequency_penalty=-0.2, repetition_penalty=1.1, max_tokens=99, min_tokens=3,
                    seed=2**40, stop=("END", "\n\n"), stop_token_ids=(7, 8), ignore_eos=True,
                    logprobs=5, skip_special_tokens=False),
-    SamplingParams(temperature=0, seed=0, logprobs=0),
+    SamplingParams(temperature=0, seed=0, logprobs=0, num_speculative_tokens=0),
+    SamplingParams(num_speculative_tokens=3),
     # The ends of what SamplingParams accepts fit the wire's types.
     SamplingParams(seed=2**63 - 1, top_k=2**31 - 1, max_tokens=2**31 - 1, stop_token_ids=(2**31 - 1,)),
     SamplingParams(seed=-2**63),

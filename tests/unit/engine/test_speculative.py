@@ -166,6 +166,29 @@ def test_a_batch_of_one_greedy_request_decodes_in_fewer_steps(plain, spec):
     assert counts[1] < counts[0], counts
 
 
+
+def test_a_request_sets_its_own_number_of_drafts_or_none(plain, spec, monkeypatch):
+    """num_speculative_tokens per request: 0 drafts nothing for it, 1 at most one a step; the
+    tokens are the plain engine's either way."""
+    prompts = repetitive_prompts(4)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected, _, _ = run(plain, prompts, params)
+    off, drafted, _ = run(spec, prompts, SamplingParams(**{**vars(params), "num_speculative_tokens": 0}))
+    assert drafted == 0 and [o.token_ids for o in off] == [o.token_ids for o in expected]
+    scheduler = spec.engine.scheduler
+    schedule, drafts_per_chunk = scheduler.schedule, []
+
+    def spied():
+        out = schedule()
+        drafts_per_chunk.extend(len(c.draft_token_ids) for c in (out.chunks if out else ()))
+        return out
+
+    monkeypatch.setattr(scheduler, "schedule", spied)
+    one, drafted, _ = run(spec, prompts, SamplingParams(**{**vars(params), "num_speculative_tokens": 1}))
+    assert drafted > 0 and max(drafts_per_chunk) == 1
+    assert [o.token_ids for o in one] == [o.token_ids for o in expected]
+
+
 def test_stop_strings_and_stop_tokens_end_at_the_same_token(plain, spec):
     prompts = repetitive_prompts(6)
     reference, _, _ = run(plain, prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))

@@ -50,6 +50,7 @@ def post(base_url: str, protocol: str, messages: str = USER, prompt: str = '"hi"
     ("chat", f', "seed": {2**63 - 2}, "n": 3', "seed"),  # choices are seeded seed, seed + 1, seed + 2
     ("chat", f', "top_k": {BIG}', "top_k"),
     ("chat", f', "min_tokens": {2**31}', "min_tokens"),
+    ("chat", ', "num_speculative_tokens": -1', "num_speculative_tokens"),
     ("chat", f', "stop_token_ids": [1, {2**31}]', "stop_token_ids[1]"),
     ("chat", ', "stop_token_ids": [-1]', "stop_token_ids[0]"),
     ("chat", f', "top_logprobs": {BIG}, "logprobs": true', "top_logprobs"),

@@ -17,6 +17,12 @@ from tests.unit.router.fakes import openai_error
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+
+def test_a_request_may_set_its_number_of_speculative_tokens(client, backend):
+    client.chat.completions.create(model="test-model", messages=MESSAGES, extra_body={"num_speculative_tokens": 2})
+    client.chat.completions.create(model="test-model", messages=MESSAGES)
+    assert [r.params.num_speculative_tokens for r in backend.requests] == [2, None]
+
 def test_chat_non_streaming(client, backend, tokenizer):
     reply = client.chat.completions.create(model="test-model", messages=MESSAGES, temperature=0, seed=3)
     assert reply.id.startswith("chatcmpl-") and reply.object == "chat.completion"
