@@ -1,0 +1,471 @@
+"""Serving: ``epd up`` beside vLLM's CPU OpenAI server, the same streamed chat load against each.
+
+The load is issue 22's (NVIDIA's aiperf 0.13 measured it from outside): streamed chat
+completions, prompts of exactly --prompt-tokens tokens (256) of user content by the model's own
+tokenizer, exactly --output-tokens (64) out (``max_tokens`` with ``min_tokens`` and
+``ignore_eos``, which both servers take), --concurrency (8) requests in flight until --requests
+(48) are done. SmolLM2-135M-Instruct, fp32, on this machine's CPU cores:
+
+    load client ──HTTP──> epd up (defaults: router, 1 prefill, 1 decode, 1 KV store node)
+    load client ──HTTP──> vLLM (.peers/vllm: python -m vllm.entrypoints.openai.api_server,
+                                --dtype float32, --no-enable-prefix-caching, OpenMP threads
+                                bound to every usable core)
+
+One server at a time: start it (its own session, free ports), wait until it answers, warm it
+up with --concurrency requests (not timed), run the timed load, stop it (SIGINT, then SIGKILL
+to every process of its session) and check no process of it is left.
+
+The load client: aiperf 0.13 itself where it is installed (``.peers/aiperf``, its own venv:
+``python3 -m venv .peers/aiperf && .peers/aiperf/bin/pip install aiperf==0.13.0``), sending its
+synthetic prompts (Shakespeare sonnet text, --random-seed fixed, so the same prompts
+for both servers); else (or with ``--client own``) this file's own httpx client, measuring as
+aiperf does: TTFT from sending the request to the first chunk with content; a request's
+inter-token latency (ITL) (end of the stream - that chunk) / (output tokens - 1), so a server
+that streams several tokens per chunk is measured alike; output throughput every output token
+(the usage chunk's count) over the timed load's wall time. Its prompts are random one-token words
+of the tokenizer's, drawn with a fixed seed, so each encodes to exactly --prompt-tokens tokens.
+Either way one prompt per request, none repeated (the warm-up has its own), and every server
+counts the chat template's tokens on top (about 30).
+
+Prefix caching: vLLM's is off. epd's stays at its default, on (each engine's block cache and the
+KV store node): with prompts that differ from their first words only the chat template's system
+preamble (one 16-token block) is shared, which ``S_prompt_cached_pct`` shows (prompt tokens the
+server reports cached). The store node's disk tier is a temporary directory, so a rerun finds
+nothing left by the previous one.
+
+Figures (the last line, JSON), for S in epd, vllm: ``S_output_tok_s``, ``S_ttft_ms_p50``,
+``S_ttft_ms_p99``, ``S_itl_ms_mean``, ``S_itl_ms_p50``, ``S_requests``, ``S_errors``,
+``S_wrong_lengths`` (requests that did not give exactly --output-tokens), ``S_prompt_cached_pct``,
+``S_processes_left`` (0), ``S_load_avg_1m`` (the machine's, as the timed load began); then
+``throughput_vs_vllm``, ``ttft_p99_vs_vllm`` and ``itl_vs_vllm`` (mean ITL), epd over vLLM, null
+when vLLM is absent (``vllm_absent`` says why: --no-vllm, not installed, or it did not come up
+or answer: never an error). On a 2-core machine shared with other work, with the load client on
+the same cores, the figures are indicative only.
+
+    .venv/bin/python benchmarks/serving.py [--requests 48] [--concurrency 8] [--prompt-tokens 256]
+        [--output-tokens 64] [--no-vllm] [--client auto|own|aiperf] [--epd-args '--prefills 2']
+    .venv/bin/python benchmarks/serving.py --quick   # a tiny load, about a minute per server
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.peers import PEERS_DIR, PeerUnavailable, cpu_ranges, log_tail, usable_cpus  # noqa: E402
+from services.launcher import free_port  # noqa: E402
+
+HOST = "127.0.0.1"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+SEED = 22
+VLLM_VENV = PEERS_DIR / "vllm"
+AIPERF = PEERS_DIR / "aiperf" / "bin" / "aiperf"
+VLLM_KV_CACHE_GIB = 2
+EPD_START_TIMEOUT_S = 600.0
+VLLM_START_TIMEOUT_S = 900.0
+"""vLLM's CPU set-up (and its first compile) on two busy cores has taken minutes."""
+STOP_GRACE_S = 45.0
+REQUEST_TIMEOUT_S = 600.0
+ONE_TOKEN_WORD = re.compile(r"^Ġ[a-z]{3,12}$")
+"""Byte-level BPE spelling of " word": a space and a lower-case word, one token."""
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def make_prompts(tokenizer_dir: Path, num_prompts: int, num_tokens: int, seed: int) -> list[str]:
+    """``num_prompts`` texts of exactly ``num_tokens`` tokens each: random one-token words."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    words = sorted(token[1:] for token in tokenizer.get_vocab() if ONE_TOKEN_WORD.match(token))
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num_prompts):
+        chosen = [rng.choice(words) for _ in range(num_tokens)]
+        for _ in range(100):   # a word that merges with its neighbour: trim or add until exact
+            count = len(tokenizer.encode(" ".join(chosen), add_special_tokens=False).ids)
+            if count == num_tokens:
+                break
+            if count > num_tokens:
+                chosen.pop()
+            else:
+                chosen.append(rng.choice(words))
+        else:
+            raise RuntimeError(f"could not build a prompt of exactly {num_tokens} tokens")
+        prompts.append(" ".join(chosen))
+    return prompts
+
+
+# ---------------------------------------------------------------- servers
+
+
+@dataclass
+class Server:
+    """A server process in a session of its own: every process it starts can be found and stopped."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    url: str
+    log_path: Path
+    process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log(f"{self.name}: starting (log {self.log_path})")
+        with open(self.log_path, "wb") as out:
+            self.process = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,
+                                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until GET /v1/models answers 200; PeerUnavailable if the process exits or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise PeerUnavailable(f"{self.name} exited with {self.process.returncode}: "
+                                      f"{log_tail(self.log_path, 8)}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=5.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise PeerUnavailable(f"{self.name} did not answer within {timeout_s:.0f} s: {log_tail(self.log_path, 8)}")
+
+    def stop(self) -> int:
+        """SIGINT to the server (it stops its own children), SIGKILL to whatever of its session is
+        left after the grace period; the number of its processes still alive after that (0)."""
+        if self.process is None:
+            return 0
+        session = self.process.pid
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while session_pids(session) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            self.process.poll()   # reaps the leader once it exits
+        if session_pids(session):
+            log(f"{self.name}: still running after {STOP_GRACE_S:.0f} s: SIGKILL to its session")
+            for pid in session_pids(session):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.process.wait()
+            time.sleep(0.5)
+        self.process.wait()
+        return len(session_pids(session))
+
+
+def session_pids(session_id: int) -> list[int]:
+    """Live (not zombie) processes of a session."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session_id and fields[0] != "Z":   # fields: state ppid pgrp session
+            pids.append(int(entry.name))
+    return pids
+
+
+def epd_server(workdir: Path, extra_args: str) -> Server:
+    port, admin_port = free_port(HOST), free_port(HOST)
+    script = Path(sys.executable).with_name("epd")   # the console script; without it, what it runs
+    epd = [str(script)] if script.exists() else [sys.executable, "-m", "services.cli"]
+    argv = [*epd, "up", "--host", HOST, "--port", str(port),
+            "--admin-port", str(admin_port), "--kvstore-dir", str(workdir / "kvstore"), *shlex.split(extra_args)]
+    return Server("epd", argv, dict(os.environ), f"http://{HOST}:{port}", workdir / "epd.log")
+
+
+def vllm_server(workdir: Path, model_dir: Path, max_model_len: int) -> Server:
+    """Raises PeerUnavailable when .peers/vllm is not installed."""
+    if not (VLLM_VENV / ".ready").exists():
+        raise PeerUnavailable(f"{VLLM_VENV / '.ready'} missing: run `make bench-peers`")
+    port = free_port(HOST)
+    env = {**os.environ,
+           # vLLM's CPU backend binds one OpenMP thread per listed core; unset it uses fewer.
+           "VLLM_CPU_OMP_THREADS_BIND": cpu_ranges(usable_cpus()),
+           "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB)}
+    argv = [str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", MODEL_NAME, "--dtype", "float32", "--host", HOST, "--port", str(port),
+            "--no-enable-prefix-caching", "--max-model-len", str(max_model_len)]
+    return Server("vllm", argv, env, f"http://{HOST}:{port}", workdir / "vllm.log")
+
+
+# ---------------------------------------------------------------- the load (own client)
+
+
+@dataclass(frozen=True)
+class Sample:
+    ttft_s: float = 0.0
+    itl_s: float = 0.0
+    num_output_tokens: int = 0
+    num_prompt_tokens: int = 0
+    """As the server counts them: the chat template's tokens too."""
+    num_cached_tokens: int = 0
+    """Prompt tokens the server found in its prefix cache."""
+    error: str = ""
+
+
+def chat_body(prompt: str, output_tokens: int) -> dict:
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": prompt}], "stream": True,
+            "stream_options": {"include_usage": True}, "max_tokens": output_tokens,
+            "min_tokens": output_tokens, "ignore_eos": True}
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Sample:
+    """aiperf's definitions: TTFT to the first chunk with content; ITL (end of the stream - that
+    chunk) / (output tokens - 1), the same whether a server sends one token per chunk or several."""
+    start = time.perf_counter()
+    first = None
+    usage: dict = {}
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                return Sample(error=f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return Sample(error=f"error event: {event['error']}")
+                if first is None and any(c.get("delta", {}).get("content") for c in event.get("choices", ())):
+                    first = time.perf_counter()
+                usage = event.get("usage") or usage
+        end = time.perf_counter()
+    except (httpx.HTTPError, ValueError) as exc:   # ValueError: an event that is not JSON
+        return Sample(error=f"{type(exc).__name__}: {exc}")
+    if first is None or not usage:
+        return Sample(error="no content" if first is None else "no usage chunk")
+    num_tokens = usage["completion_tokens"]
+    return Sample(first - start, (end - first) / max(1, num_tokens - 1), num_tokens, usage["prompt_tokens"],
+                  (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+async def run_load(url: str, prompts: list[str], concurrency: int, output_tokens: int) -> tuple[list[Sample], float]:
+    """Every prompt once, ``concurrency`` at a time; the samples and the wall time."""
+    queue = list(prompts)
+    samples: list[Sample] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0), limits=limits) as client:
+        async def worker() -> None:
+            while queue:
+                samples.append(await one_request(client, url, chat_body(queue.pop(0), output_tokens)))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return samples, time.perf_counter() - start
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default, as aiperf reports)."""
+    ordered = sorted(values)
+    rank = q * (len(ordered) - 1)
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def figures(name: str, samples: list[Sample], wall_s: float, output_tokens: int) -> dict:
+    good = [s for s in samples if not s.error]
+    errors = [s.error for s in samples if s.error]
+    if errors:
+        log(f"{name}: {len(errors)} failed requests, e.g. {errors[0]}")
+    result = {f"{name}_requests": len(samples), f"{name}_errors": len(errors),
+              f"{name}_wrong_lengths": sum(s.num_output_tokens != output_tokens for s in good),
+              f"{name}_output_tok_s": round(sum(s.num_output_tokens for s in good) / wall_s, 2),
+              f"{name}_prompt_cached_pct": round(100 * sum(s.num_cached_tokens for s in good)
+                                                 / max(1, sum(s.num_prompt_tokens for s in good)), 2),
+              f"{name}_wall_s": round(wall_s, 2)}
+    if good:
+        ttft_ms, itl_ms = [s.ttft_s * 1e3 for s in good], [s.itl_s * 1e3 for s in good]
+        result.update({f"{name}_ttft_ms_p50": round(percentile(ttft_ms, 0.5), 2),
+                       f"{name}_ttft_ms_p99": round(percentile(ttft_ms, 0.99), 2),
+                       f"{name}_itl_ms_mean": round(sum(itl_ms) / len(itl_ms), 3),
+                       f"{name}_itl_ms_p50": round(percentile(itl_ms, 0.5), 3)})
+    return result
+
+
+# ---------------------------------------------------------------- the load (aiperf)
+
+
+def run_aiperf(server: Server, args: argparse.Namespace, tokenizer_dir: Path, workdir: Path) -> dict:
+    """The same load sent by aiperf 0.13 (.peers/aiperf), its own synthetic prompts; its figures.
+    PeerUnavailable when aiperf fails. It runs in a session of its own too: it starts processes."""
+    artifacts = workdir / f"aiperf-{server.name}"
+    extra = {"min_tokens": args.output_tokens, "ignore_eos": True}
+    argv = [str(AIPERF), "profile", "--model", MODEL_NAME, "--url", server.url, "--endpoint-type", "chat",
+            "--streaming", "--tokenizer", str(tokenizer_dir), "--random-seed", str(SEED),
+            "--prompt-input-tokens-mean", str(args.prompt_tokens), "--prompt-input-tokens-stddev", "0",
+            "--prompt-output-tokens-mean", str(args.output_tokens), "--prompt-output-tokens-stddev", "0",
+            "--use-legacy-max-tokens", "--use-server-token-count", "--extra-inputs", json.dumps(extra),
+            "--concurrency", str(args.concurrency), "--request-count", str(args.requests),
+            # one synthetic prompt per request, each used once (shuffled, without replacement)
+            "--num-dataset-entries", str(args.requests), "--dataset-sampling-strategy", "shuffle",
+            "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry", "--artifact-dir", str(artifacts)]
+    client = Server(f"aiperf-{server.name}", argv, dict(os.environ), "", workdir / f"aiperf-{server.name}.log")
+    try:
+        client.start()
+        returncode = client.process.wait(REQUEST_TIMEOUT_S * 2)
+    except subprocess.TimeoutExpired:
+        returncode = None
+    finally:
+        client.stop()
+    if returncode != 0:
+        raise PeerUnavailable(f"aiperf failed ({returncode}): {log_tail(client.log_path, 8)}")
+    metrics = json.loads((artifacts / "profile_export_aiperf.json").read_text())
+    name = server.name
+    num_errors = int(metrics.get("error_request_count", {}).get("avg", 0))
+    return {f"{name}_requests": int(metrics["request_count"]["avg"]) + num_errors, f"{name}_errors": num_errors,
+            f"{name}_wrong_lengths": int(metrics.get("osl_mismatch_count", {}).get("avg", 0)),
+            f"{name}_output_tok_s": round(metrics["output_token_throughput"]["avg"], 2),
+            f"{name}_prompt_cached_pct": round(metrics.get("overall_usage_prompt_cache_read_pct", {}).get("avg", 0), 2),
+            f"{name}_ttft_ms_p50": round(metrics["time_to_first_token"]["p50"], 2),
+            f"{name}_ttft_ms_p99": round(metrics["time_to_first_token"]["p99"], 2),
+            f"{name}_itl_ms_mean": round(metrics["inter_token_latency"]["avg"], 3),
+            f"{name}_itl_ms_p50": round(metrics["inter_token_latency"]["p50"], 3)}
+
+
+# ---------------------------------------------------------------- the run
+
+
+@dataclass(frozen=True)
+class Load:
+    """What every server gets: the flags, the timed prompts, the warm-up prompts."""
+
+    args: argparse.Namespace
+    prompts: list[str]
+    warmup: list[str]
+    model_dir: Path
+    workdir: Path
+
+
+def measure(server: Server, load: Load, start_timeout_s: float) -> dict:
+    """Start ``server``, warm it up, time the load, stop it. PeerUnavailable when it does not
+    come up or fails every warm-up request."""
+    args = load.args
+    try:
+        server.start()
+        began = time.monotonic()
+        server.wait_ready(start_timeout_s)
+        log(f"{server.name}: up in {time.monotonic() - began:.0f} s at {server.url}; warming up")
+        samples, _ = asyncio.run(run_load(server.url, load.warmup, args.concurrency, args.output_tokens))
+        if all(s.error for s in samples):
+            raise PeerUnavailable(f"{server.name} failed every warm-up request, e.g. {samples[0].error}")
+        log(f"{server.name}: {len(load.prompts)} requests, {args.concurrency} at a time ({args.client} client)")
+        load_avg = os.getloadavg()[0]   # what else runs on these cores: the figures' caveat
+        if args.client == "aiperf":
+            result = run_aiperf(server, args, load.model_dir, load.workdir)
+        else:
+            samples, wall_s = asyncio.run(run_load(server.url, load.prompts, args.concurrency, args.output_tokens))
+            result = figures(server.name, samples, wall_s, args.output_tokens)
+    finally:
+        began = time.monotonic()
+        num_left = server.stop()
+        log(f"{server.name}: stopped in {time.monotonic() - began:.0f} s, {num_left} of its processes left")
+    result.update({f"{server.name}_processes_left": num_left, f"{server.name}_load_avg_1m": round(load_avg, 2)})
+    log(f"{server.name}: {json.dumps(result)}")
+    return result
+
+
+def ratios(result: dict) -> dict:
+    def over(key: str) -> float | None:
+        epd, vllm = result.get(f"epd_{key}"), result.get(f"vllm_{key}")
+        return round(epd / vllm, 4) if epd is not None and vllm else None
+
+    return {"throughput_vs_vllm": over("output_tok_s"), "ttft_p99_vs_vllm": over("ttft_ms_p99"),
+            "itl_vs_vllm": over("itl_ms_mean")}
+
+
+def run(args: argparse.Namespace, workdir: Path) -> dict:
+    from services.engine.models.loader import resolve_model_dir  # torch: the model's directory, once
+
+    model_dir = resolve_model_dir(None)[0]
+    prompts = make_prompts(model_dir, args.requests + args.concurrency, args.prompt_tokens, SEED)
+    load = Load(args, prompts[:args.requests], prompts[args.requests:], model_dir, workdir)
+    result = {"requests": args.requests, "concurrency": args.concurrency, "prompt_tokens": args.prompt_tokens,
+              "output_tokens": args.output_tokens, "client": args.client, "cpus": len(usable_cpus()),
+              "epd_args": args.epd_args}
+    try:
+        result.update(measure(epd_server(workdir, args.epd_args), load, EPD_START_TIMEOUT_S))
+    except PeerUnavailable as exc:   # ours not coming up is a failure, not an absent column
+        raise SystemExit(f"epd: {exc}") from None
+    if args.no_vllm:
+        result["vllm_absent"] = "--no-vllm"
+    else:
+        try:
+            server = vllm_server(workdir, model_dir, max(2048, args.prompt_tokens + args.output_tokens + 128))
+            result.update(measure(server, load, VLLM_START_TIMEOUT_S))
+            result["vllm_version"] = vllm_version()
+        except PeerUnavailable as exc:
+            log(f"vllm: absent: {exc}")
+            result["vllm_absent"] = str(exc)
+    result.update(ratios(result))
+    return result
+
+
+def vllm_version() -> str:
+    found = sorted((VLLM_VENV / "lib").glob("python3*/site-packages/vllm*.dist-info"))
+    return found[0].name.removesuffix(".dist-info").split("-", 1)[1] if found else "unknown"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=48, help="timed requests per server")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (also the warm-up's count)")
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="user-content tokens of every prompt")
+    parser.add_argument("--output-tokens", type=int, default=64, help="tokens every request gives (EOS ignored)")
+    parser.add_argument("--no-vllm", action="store_true", help="epd only; vLLM reported absent")
+    parser.add_argument("--client", choices=("auto", "own", "aiperf"), default="auto",
+                        help="the load client: aiperf 0.13 from .peers/aiperf, or this file's; auto: aiperf "
+                             "where it is installed")
+    parser.add_argument("--epd-args", default="", help="extra flags for epd up, e.g. '--prefills 2'")
+    parser.add_argument("--quick", action="store_true", help="a tiny load (8 requests of 64 + 16 tokens, 4 at a time)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests, args.concurrency, args.prompt_tokens, args.output_tokens = 8, 4, 64, 16
+    if min(args.requests, args.concurrency, args.prompt_tokens, args.output_tokens) < 1:
+        parser.error("--requests, --concurrency, --prompt-tokens and --output-tokens must be >= 1")
+    if args.client == "auto":
+        args.client = "aiperf" if AIPERF.exists() else "own"
+    if args.client == "aiperf" and not AIPERF.exists():
+        parser.error(f"--client aiperf needs {AIPERF}: python3 -m venv {AIPERF.parents[1]} && "
+                     f"{AIPERF.parent}/pip install aiperf==0.13.0")
+    # SIGTERM unwinds like Ctrl-C, so the servers are stopped either way.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        with tempfile.TemporaryDirectory(prefix="serving-bench-") as tmp:
+            result = run(args, Path(tmp))
+    except KeyboardInterrupt:   # the servers are stopped by now
+        raise SystemExit("interrupted") from None
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
