@@ -16,7 +16,6 @@ import subprocess
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from benchmarks.peers import LOG_DIR, PEERS_DIR, PeerUnavailable, log_tail, usable_cpus
 
