@@ -23,7 +23,7 @@ from services.engine.models.config import ModelConfig
 from services.engine.models.llama import LlamaForCausalLM, rope_inv_freq
 from services.common.sampling_params import TokenLogprobs
 from services.engine.sampler import Sampler, SamplingRow
-from services.engine.scheduler import NewRequest, ScheduledChunk, SchedulerOutput
+from services.engine.scheduler_output import NewRequest, ScheduledChunk, SchedulerOutput
 from services.engine.sequence import BlockId, RequestId
 
 

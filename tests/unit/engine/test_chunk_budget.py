@@ -16,7 +16,8 @@ from services.common.sampling_params import SamplingParams
 from services.engine import LLM
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
-from services.engine.scheduler import OnlineCost, ScheduledChunk, Scheduler, SchedulerOutput
+from services.engine.scheduler import OnlineCost, Scheduler
+from services.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 from services.engine.sequence import RequestId, Sequence
 
 ROOT = root_hash(model="t", block_size=4, dtype="float32")

@@ -32,8 +32,9 @@ def run_step(sched, seqs, token=5):
 def test_scheduler_imports_no_torch():
     import services.engine.block_manager as bm
     import services.engine.scheduler as sc
+    import services.engine.scheduler_output as so
     import services.engine.sequence as sq
-    for mod in (sc, bm, sq):
+    for mod in (sc, so, bm, sq):
         assert "torch" not in Path(mod.__file__).read_text()
 
 
