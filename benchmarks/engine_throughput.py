@@ -53,6 +53,7 @@ import random
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -114,11 +115,21 @@ def padded_fraction(prompts: list[list[int]], batches: list[list[int]]) -> float
     return 1 - sum(map(len, prompts)) / computed
 
 
+ENGINE_THREAD = ThreadPoolExecutor(1, thread_name_prefix="engine")
+"""Our engines step here, as a server's engine thread does: their compute threads are bound to
+the CPUs (cpu_threads="auto", services/engine/threads.py) while the main thread, which starts
+the peers' processes, stays unbound, so they inherit every CPU."""
+BOUND = {"cpu_threads": "auto"}
+
+
 def run_ours(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    return time.perf_counter() - start, [o.token_ids for o in outs]
+    def run() -> tuple[float, list[list[int]]]:
+        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        return time.perf_counter() - start, [o.token_ids for o in outs]
+
+    return ENGINE_THREAD.submit(run).result()
 
 
 class Ours:
@@ -148,7 +159,7 @@ def start_extra_columns(args, prompts: list[list[int]],
     # 1 GiB of bf16 KV holds as many tokens as ours' 2 GiB of fp32 (and vLLM's bf16 gets 1 GiB too);
     # every engine loaded at once has to fit in this machine's memory.
     starters = {"ours_bf16": lambda: Ours(max_num_batched_tokens=batched, kv_cache_gib=1.0,
-                                          enable_prefix_caching=False, dtype="bfloat16")}
+                                          enable_prefix_caching=False, dtype="bfloat16", **BOUND)}
     if args.peers:
         model_dir = resolve_model_dir(None)[0]
         starters |= {
@@ -243,9 +254,9 @@ def main() -> None:
           f"{'yes' if cpu['avx2'] else 'no'}, {cpu['num_cpus']} CPUs ({cpu['num_usable_cpus']} usable), "
           f"torch threads {cpu['torch_threads']}", file=sys.stderr)
     llm = LLM(None, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_gib=2.0,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, **BOUND)
     invariant = LLM(None, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_gib=2.0,
-                    enable_prefix_caching=False, batch_invariant=True)
+                    enable_prefix_caching=False, batch_invariant=True, **BOUND)
     hf = transformers.LlamaForCausalLM.from_pretrained(resolve_model_dir(None)[0], torch_dtype=torch.float32).eval()
     vocab = llm.engine.model_config.vocab_size
     prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, vocab)

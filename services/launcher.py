@@ -43,7 +43,9 @@ import httpx
 
 from kvstore.transfer.engine import TRANSPORT_CHOICES
 from services.common.config import check, config_or_exit
+from services.common.errors import InvalidRequestError
 from services.engine.models.config import is_llava_dir
+from services.engine.threads import format_cpus, parse_cpus, usable_cpus
 from services.local_scaling import LocalScaler
 from services.supervisor import (BackgroundSupervision, Child, ChildFailed, Probe, Supervisor,
                                  remove_shared_memory_of)
@@ -82,6 +84,12 @@ class UpConfig:
     """"cpu", "cuda" or "auto" for every engine."""
     dtype: str = "auto"
     """Every engine's dtype: "float32", "bfloat16" or "auto" (see the engines' --dtype)."""
+    cpu_threads: str = "split"
+    """CPU engines' compute threads: "split" (each prefill and decode process started with the
+    cluster gets its own share of this machine's usable CPUs, its threads bound there, when
+    there are at least as many CPUs as those processes; otherwise, and for processes scaled out
+    later, "off"), "auto" (every engine binds to all of them), or "off" (unbound threads that
+    the OS shares out). See services/engine/threads.py."""
     startup_timeout_s: float = 600.0
     """How long the instances get to load the model and report healthy."""
     stop_timeout_s: float = 30.0
@@ -136,6 +144,11 @@ class UpConfig:
 
     def __post_init__(self) -> None:
         check(self.encoders is None or self.encoders >= 0, "encoders", "must be >= 0 (none: auto)")
+        if self.cpu_threads != "split":
+            try:
+                parse_cpus(self.cpu_threads)
+            except InvalidRequestError as exc:
+                check(False, "cpu_threads", f"{exc} (or split)")
         check(self.prefills >= 1, "prefills", "needs at least one prefill instance")
         check(self.decodes >= 1, "decodes", "needs at least one decode instance")
         check(self.kv_transport in TRANSPORT_CHOICES, "kv_transport", f"must be one of {', '.join(TRANSPORT_CHOICES)}")
@@ -210,11 +223,11 @@ class Cluster:
         self.children.append(child)
         return child
 
-    def _engine_args(self, kvstores: list[Child]) -> list[str]:
+    def _engine_args(self, kvstores: list[Child], role: str, index: int) -> list[str]:
         c = self.config
         args = ["--kv-cache-gib", str(c.kv_cache_gib), "--max-num-batched-tokens",
                 str(c.max_num_batched_tokens), "--device", c.device, "--dtype", c.dtype,
-                "--kv-transport", c.kv_transport]
+                "--kv-transport", c.kv_transport, "--cpu-threads", self._cpu_threads(role, index)]
         args += [arg for child in kvstores for arg in ("--kvstore", child.address)]
         if kvstores:
             args += ["--kvstore-replicas", str(c.kvstore_replicas)]
@@ -236,7 +249,21 @@ class Cluster:
         if role == "encoder":
             return self._spawn(name, "services.encoder", ["--model", self.config.model] if self.config.model else [])
         kvstores = self.role_children("kvstore")
-        return self._spawn(name, f"services.{role}", self._engine_args(kvstores) + ["--instance-id", name])
+        return self._spawn(name, f"services.{role}", self._engine_args(kvstores, role, index) + ["--instance-id", name])
+
+    def _cpu_threads(self, role: str, index: int) -> str:
+        """An engine process's --cpu-threads: with "split", the cluster's first prefills and
+        decodes each take an equal run of the usable CPUs (prefills first), when every one of
+        them can have at least one; anything else shares them unbound."""
+        c = self.config
+        if c.cpu_threads != "split":
+            return c.cpu_threads
+        cpus, num_engines = usable_cpus(), c.prefills + c.decodes
+        slot = index if role == "prefill" else c.prefills + index
+        if c.device == "cuda" or len(cpus) < num_engines or index >= (c.prefills if role == "prefill" else c.decodes):
+            return "off"
+        share = len(cpus) // num_engines
+        return format_cpus(cpus[slot * share:(slot + 1) * share])
 
     def role_children(self, role: str) -> list[Child]:
         return [child for child in self.children if child.name.rsplit("-", 1)[0] == role]

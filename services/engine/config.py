@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from services.common.config import check
 from services.common.errors import InvalidRequestError
 from services.engine.speculative import SpeculativeConfig
+from services.engine.threads import parse_cpus
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,11 @@ class EngineConfig:
     """"cpu", "cuda" or "auto" (CUDA when present)."""
     dtype: str = "auto"
     """"float32", "bfloat16", "float16" or "auto" (fp32 on CPU, bf16 on CUDA)."""
+    cpu_threads: str = "off"
+    """A CPU engine's compute threads: "auto" (one per CPU of this process's affinity mask, each
+    bound to its CPU), "off" (torch's default, unbound) or a CPU list such as "0-3,8" (threads.py).
+    Off for the library: binding would pin the caller's own thread, and every process it starts
+    later would inherit that CPU; the engine services default to auto (their own threads)."""
     batch_invariant: bool = False
     """Every step's arithmetic for a request independent of the batch around it and of how its
     prompt was chunked: the same request gives bit-identical logits alone or in any batch, on
@@ -56,6 +62,10 @@ class EngineConfig:
               "must be auto, cpu or cuda[:N]")
         check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
               "must be auto, float32, bfloat16 or float16")
+        try:
+            parse_cpus(self.cpu_threads)
+        except InvalidRequestError as exc:
+            check(False, "cpu_threads", str(exc))
         try:
             SpeculativeConfig.parse(self.speculative_config)
         except InvalidRequestError as exc:

@@ -30,6 +30,7 @@ from services.engine.outputs import OutputState, RequestOutput
 from services.engine.scheduler import OnlineCost, Scheduler
 from services.engine.seams import Handoff, KVBlock, KVExport, KVReservation
 from services.engine.structured import CompiledGrammar, GrammarCompiler
+from services.engine.threads import parse_cpus
 from services.engine.sequence import (BlockId, FinishReason, MultiModalInput, RequestId, Sequence,
                                       SequenceStatus)
 
@@ -87,7 +88,8 @@ class LLMEngine:
         self.kv_block_bytes = kv_block_bytes(cfg, bs, dtype)
         kv_buffer = kv_allocator(num_blocks * self.kv_block_bytes) if kv_allocator else None
         self.runner = ModelRunner(cfg, loaded.weights, num_blocks, bs, device, dtype, eos, kv_buffer,
-                                  batch_invariant=config.batch_invariant)
+                                  batch_invariant=config.batch_invariant,
+                                  cpu_threads=parse_cpus(config.cpu_threads))
         self.grammar_compiler = GrammarCompiler(self.tokenizer, cfg.vocab_size, eos) if self.tokenizer else None
         self._states: dict[RequestId, OutputState] = {}
         self.last_step_num_tokens = 0

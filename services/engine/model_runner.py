@@ -25,6 +25,7 @@ from services.common.sampling_params import TokenLogprobs
 from services.engine.sampler import Sampler, SamplingRow
 from services.engine.scheduler_output import NewRequest, ScheduledChunk, SchedulerOutput
 from services.engine.sequence import BlockId, RequestId
+from services.engine.threads import ThreadPlacement
 
 
 MAX_PACKED_ROWS = 64
@@ -92,7 +93,10 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], num_blocks: int,
                  block_size: int, device: torch.device, dtype: torch.dtype,
-                 eos_token_ids: tuple[int, ...] = (), kv_buffer=None, batch_invariant: bool = False) -> None:
+                 eos_token_ids: tuple[int, ...] = (), kv_buffer=None, batch_invariant: bool = False,
+                 cpu_threads: list[int] | None = None) -> None:
+        """``cpu_threads``: the CPUs a CPU engine's compute threads are bound to (threads.py);
+        None leaves torch's threads as they are."""
         self.cfg = cfg
         self.block_size = block_size
         self.device, self.dtype = device, dtype
@@ -129,6 +133,10 @@ class ModelRunner:
               f"needs the CPU's fp32 kernels (device cpu, dtype float32, a C compiler); this engine "
               f"runs {self.attention_backend} attention on {device}/{str(dtype).removeprefix('torch.')}")
         self.batch_invariant = batch_invariant
+        self.threads = None
+        if cpu_threads is not None and device.type == "cpu":
+            kernels = kernel_select.cpu.kernels()
+            self.threads = ThreadPlacement(cpu_threads, kernels.bind_threads if kernels else None)
         self.sampler = Sampler()
         self._requests: dict[RequestId, RequestState] = {}
         self._generators: dict[RequestId, torch.Generator] = {}
@@ -213,6 +221,8 @@ class ModelRunner:
                  mm_embeds: list[list[tuple[int, torch.Tensor]]] | None = None, is_verify_step: bool = False
                  ) -> tuple[torch.Tensor, AttentionMetadata]:
         """Final hidden states of the flat batch, and the step's attention metadata."""
+        if self.threads is not None:
+            self.threads.ensure()
         input_ids = torch.tensor([t for _, toks, _ in chunks for t in toks], dtype=torch.long,
                                  device=self.device)
         inputs_embeds = None

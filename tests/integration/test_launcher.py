@@ -19,6 +19,7 @@ import pytest
 from PIL import Image
 
 from services.common.config import ConfigError, parse_config
+from services.engine.threads import cpu_list
 from services.launcher import UpConfig, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,11 +36,12 @@ def test_encoders_start_for_a_vision_model_or_when_asked():
         parse_config(UpConfig, ["--encoders", "-1"], "up", env={})
 
 
-def start_up(model_dir: Path, port: int) -> tuple[subprocess.Popen, list[int]]:
+def start_up(model_dir: Path, port: int, roles: tuple[str, ...] = ("--encoders", "1", "--prefills", "1", "--decodes", "2"),
+             ) -> tuple[subprocess.Popen, list[int]]:
     log = tempfile.TemporaryFile(mode="w+")  # epd up's stderr: what went wrong, if it fails to start
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), "--encoders", "1",
-         "--prefills", "1", "--decodes", "2", "--port", str(port), "--kv-cache-gib", "0.02", "--device", "cpu",
+        [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), *roles,
+         "--port", str(port), "--kv-cache-gib", "0.02", "--device", "cpu",
          "--kvstore-dir", "none", "--kvstore-capacity-mib", "32", "--admin-port", str(free_port("127.0.0.1"))],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
     pids = []
@@ -159,3 +161,37 @@ def test_epd_up_restarts_a_killed_child_and_only_its_own_signal_stops_it(tiny_ch
         process.wait()
         process.stdout.close()
     assert not [f for f in os.listdir("/dev/shm") if any(f"-{pid}-" in f for pid in pids + back)]
+
+
+def thread_cpus(pid: int) -> list[set[int]]:
+    """The CPUs each thread of a process may run on (the kernel's record)."""
+    masks = []
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        line = next(ln for ln in status.read_text().splitlines() if ln.startswith("Cpus_allowed_list"))
+        masks.append(set(cpu_list(line.split()[1])))
+    return masks
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a CPU each needs two CPUs")
+def test_epd_up_gives_its_prefill_and_its_decode_a_cpu_each(tiny_chat_model_dir):
+    """The default on a CPU machine: the engine thread and its team of each engine bound to its
+    own share of the CPUs (a core each here), the servers' other threads left free."""
+    cpus = sorted(os.sched_getaffinity(0))
+    port = free_port("127.0.0.1")
+    process, pids = start_up(tiny_chat_model_dir, port, ("--encoders", "0", "--prefills", "1", "--decodes", "1"))
+    try:
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                           json={"model": "tiny-chat0", "prompt": "Hello", "max_tokens": 4})
+        assert reply.status_code == 200  # both engines have stepped: bound on their first step
+        roles = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[2].decode() for pid in pids}
+        share = len(cpus) // 2
+        for pid, role in roles.items():
+            masks = thread_cpus(pid)
+            if role in ("services.prefill", "services.decode"):
+                first = 0 if role == "services.prefill" else share
+                assert set(cpus[first:first + share]) in masks, (role, masks)
+            assert set(cpus) in masks, (role, "the other threads are free")
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+        process.stdout.close()

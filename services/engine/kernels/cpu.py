@@ -49,6 +49,7 @@ SOURCES = tuple((Path(__file__).with_name(name), flags) for name, flags in (
     ("rope_store.c", ("-ffp-contract=off",)),
     ("rope_store.c", ("-ffp-contract=off", *BF16)),
     ("small_gemm.c", ()),
+    ("threads.c", ()),
 ))
 """Each source with the flags it adds to COMPILE_FLAGS (a source may be built more than once)."""
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -77,6 +78,9 @@ class CpuKernels:
     """``(weight [N, K]) -> packed``: a linear layer's weight in :attr:`small_gemm`'s panels."""
     small_gemm: Callable[..., torch.Tensor]
     """``(x [M, K], packed, bias | None, N) -> x W^T + bias``: for a decode step's few rows."""
+    bind_threads: Callable[[list[int]], int]
+    """``(cpus) -> failures``: the calling thread's OpenMP team, ``len(cpus)`` threads, thread
+    i bound to ``cpus[i]`` (see ``threads.c``); how many could not be bound."""
 
 
 def enabled() -> bool:
@@ -156,6 +160,8 @@ def _library() -> ctypes.CDLL | None:
     lib.small_gemm_pack.restype = None
     lib.small_gemm.argtypes = [ptr, i64, ptr, ptr, ptr] + [i64] * 4 + [i32]
     lib.small_gemm.restype = None
+    lib.bind_threads.argtypes = [ptr, i32]
+    lib.bind_threads.restype = i32
     return lib
 
 
@@ -238,4 +244,8 @@ def kernels() -> CpuKernels | None:
                        y.data_ptr(), num_out, num_rows, num_out, num_in, torch.get_num_threads())
         return y
 
-    return CpuKernels(paged_decode, paged_prefill, rope_store, pack_weight, small_gemm)
+    def bind_threads(cpus: list[int]) -> int:
+        ids = torch.tensor(cpus, dtype=torch.int64)
+        return lib.bind_threads(ids.data_ptr(), len(cpus))
+
+    return CpuKernels(paged_decode, paged_prefill, rope_store, pack_weight, small_gemm, bind_threads)
