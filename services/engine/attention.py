@@ -1,9 +1,13 @@
 """Paged attention over the block-major KV pool: torch (CPU and CUDA) and the CPU's kernels.
 
-The pool is one tensor, block-major so that a block's KV for every layer is one contiguous
+A pool is one tensor, block-major so that a block's KV for every layer is one contiguous
 byte range (what the transfer engine registers and moves)::
 
     kv_cache[num_blocks, num_layers, 2 (k|v), block_size, num_kv_heads, head_dim]
+
+A plain model has one pool of every layer; a hybrid one a pool per KV group (full-attention
+layers, sliding-window layers: model_runner.py), each with its own tables and metadata, and a
+layer is given its group's pool and its index ``l`` inside it (``L`` below: the group's layers).
 
 Two flat views of it are used, both indexed by arithmetic computed once per step:
 
@@ -27,6 +31,12 @@ positions past a sequence's length inside its last block are masked out.
   context's blocks in place; otherwise they are sorted by context length and run in a few
   batches of similar length, each gathered and padded to its longest (padding costs memory
   bandwidth, the decode bottleneck).
+
+A sliding-window layer's table entries before a query's window may name a freed block (the NULL
+block, or another sequence's block by now: the window pool frees what no query sees again). The
+C kernels start each query's keys at its window and never read them; the Triton kernel (whose
+key tiles start at a multiple of 64) and the torch path read some and mask them to -inf, where
+any finite KV adds exactly zero, so results are the same bits as with the blocks still there.
 """
 
 from __future__ import annotations

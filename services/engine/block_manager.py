@@ -10,6 +10,10 @@ The free queue is in LRU order: a freed block goes to the back, an allocation ta
 so cached blocks live as long as possible and the least recently used prefix is evicted first.
 A sequence frees its blocks tail first, so its last (least shareable) block is evicted before
 its first. "No room" is a ``None`` return (STYLE rule 4); running out is never an exception.
+
+A manager keeps one KV group's pool (``group``; kv_groups.py): every layer's for a plain model,
+or a hybrid model's full-attention layers'. :class:`SlidingWindowBlockManager` keeps the
+sliding-window layers' pool, freeing each sequence's blocks as they fall out of the window.
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, root: BlockHash,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, group: int = 0) -> None:
         assert num_blocks > 0 and block_size > 0
+        self.group = group
+        """The KV group whose block tables (``seq.table(group)``) and pool this manager keeps."""
         self.block_size = block_size
         self.root = root
         self.enable_prefix_caching = enable_prefix_caching
@@ -80,7 +86,7 @@ class BlockManager:
         At least one token is left to compute, so the step that finishes the prefill has a
         position to sample from.
         """
-        assert not seq.block_table, "only for sequences that hold no blocks"
+        assert not seq.table(self.group), "only for sequences that hold no blocks"
         if not self.enable_prefix_caching:
             return []
         max_hit_blocks = (len(seq) - 1) // self.block_size
@@ -105,30 +111,39 @@ class BlockManager:
         first. Returns the newly allocated block ids, or None — changing nothing — if the free
         queue cannot supply them.
         """
-        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
-        num_needed = self.num_blocks_for(num_computed + num_new_tokens)
-        num_new_blocks = num_needed - len(seq.block_table) - len(computed_blocks)
-        # Touching a cached-but-free hit removes it from the free queue too.
-        num_free_hits = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
-        if num_new_blocks > self.num_free_blocks - num_free_hits:
+        if not self.can_allocate(seq, num_new_tokens, computed_blocks):
             return None
+        table = seq.table(self.group)
+        num_new_blocks = self._num_new_blocks(seq, num_new_tokens, computed_blocks)
         for block_id in computed_blocks:
             self._touch(block_id)
-        seq.block_table.extend(computed_blocks)
+        table.extend(computed_blocks)
         new_blocks = [self._take_free() for _ in range(max(num_new_blocks, 0))]
-        seq.block_table.extend(new_blocks)
+        table.extend(new_blocks)
         return new_blocks
 
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[BlockId] = ()) -> bool:
+        """Whether :meth:`allocate_slots` would succeed (KVGroups asks every group first)."""
+        # Touching a cached-but-free hit removes it from the free queue too.
+        num_free_hits = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        return self._num_new_blocks(seq, num_new_tokens, computed_blocks) <= self.num_free_blocks - num_free_hits
+
+    def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[BlockId]) -> int:
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_needed = self.num_blocks_for(num_computed + num_new_tokens)
+        return num_needed - len(seq.table(self.group)) - len(computed_blocks)
+
     def free(self, seq: Sequence) -> None:
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(seq.table(self.group)):
             self._release(block_id)
-        seq.block_table = []
+        seq.block_tables[self.group] = []
 
     def trim(self, seq: Sequence) -> None:
         """Give back the blocks past what ``seq``'s tokens need (the slots of rejected drafts)."""
         num_needed = self.num_blocks_for(len(seq))
-        while len(seq.block_table) > num_needed:
-            self._release(seq.block_table.pop())
+        table = seq.table(self.group)
+        while len(table) > num_needed:
+            self._release(table.pop())
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register every full, computed block of ``seq`` in the prefix cache."""
@@ -136,8 +151,9 @@ class BlockManager:
             return
         bs = self.block_size
         hashes = self.update_hashes(seq)
+        table = seq.table(self.group)
         for i in range(min(seq.num_computed_tokens // bs, len(hashes))):
-            block = self.blocks[seq.block_table[i]]
+            block = self.blocks[table[i]]
             if block.block_hash is None:
                 self._register(block, hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
 
@@ -217,3 +233,104 @@ class BlockManager:
                 self._free.move_to_end(block_id, last=False)
             else:
                 self._free[block_id] = None
+
+
+NULL_BLOCK = BlockId(0)
+"""A sliding-window pool's block 0, never handed out: the table entry of a block that fell out
+of the window (no kernel reads a position before a query's window; see attention.py)."""
+
+
+class SlidingWindowBlockManager(BlockManager):
+    """Block accounting for sliding-window layers: a sequence keeps only what a query can still see.
+
+    After a step with ``c = num_computed_tokens`` the next query is at position >= c and sees the
+    keys >= c - W + 1, so block i (positions [iB, (i + 1)B)) goes once (i + 1) * B <= c - W + 1::
+
+        position   0       B      2B      3B      4B      5B
+        table     [ NULL  | NULL  |  b7   |  b2   |  b9   ]     c - W + 1 falls in block 2
+                   freed, never read   kept: the window and the chunk being computed
+
+    Freed entries stay in the table as :data:`NULL_BLOCK` (block i stays entry i); a freed block
+    that carries a hash goes to the free queue still cached, like a finished sequence's. So a
+    sequence holds about ceil((W - 1) / B) + 1 blocks here however long it grows.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, root: BlockHash, window: int,
+                 enable_prefix_caching: bool = True, group: int = 1) -> None:
+        super().__init__(num_blocks + 1, block_size, root, enable_prefix_caching, group)
+        assert window > 0
+        self.window = window
+        del self._free[NULL_BLOCK]
+        self.blocks[NULL_BLOCK].ref_count = 1  # held for good: never evicted, never handed out
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks sequences can hold (the pool has one more: the NULL block)."""
+        return len(self.blocks) - 1
+
+    def num_out_of_window(self, num_computed: int) -> int:
+        """Leading blocks that no query at position ``num_computed`` or later sees."""
+        return max(0, num_computed - self.window + 1) // self.block_size
+
+    def free_out_of_window(self, seq: Sequence) -> int:
+        """Free the blocks that fell out of the window (newest first, back to the last freed);
+        returns how many."""
+        table = seq.table(self.group)
+        i = min(self.num_out_of_window(seq.num_computed_tokens), len(table)) - 1
+        num_freed = 0
+        while i >= 0 and table[i] != NULL_BLOCK:
+            self._release(table[i])
+            table[i] = NULL_BLOCK
+            i -= 1
+            num_freed += 1
+        return num_freed
+
+    def get_computed_blocks(self, seq: Sequence) -> list[BlockId]:
+        assert not seq.table(self.group), "only for sequences that hold no blocks"
+        return self.window_hits(seq, (len(seq) - 1) // self.block_size)
+
+    def window_hits(self, seq: Sequence, max_blocks: int) -> list[BlockId]:
+        """The table a prefix hit starts with: for the longest k <= ``max_blocks`` whose window
+        blocks (those the query at position kB sees) are all cached, NULL_BLOCK before them and
+        them after; [] for no hit. Each block is looked up at most once: a miss at block i rules
+        out every k > i, and the next candidate, k = i, needs only blocks before i."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hashes = self.update_hashes(seq)
+        k = max_blocks
+        while k > 0:
+            first = self.num_out_of_window(k * bs)
+            hits: list[BlockId] = []
+            for i in range(k - 1, first - 1, -1):
+                block_id = self.lookup(hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+                if block_id is None:
+                    k = i
+                    break
+                hits.append(block_id)
+            else:
+                return [NULL_BLOCK] * first + hits[::-1]
+        return []
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """As the base class, over the blocks still held (the rest were registered before they
+        were freed), so the cost stays that of the window however long the sequence."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        hashes = self.update_hashes(seq)
+        table = seq.table(self.group)
+        for i in range(min(seq.num_computed_tokens // bs, len(hashes)) - 1, -1, -1):
+            if table[i] == NULL_BLOCK:
+                break
+            block = self.blocks[table[i]]
+            if block.block_hash is None:
+                self._register(block, hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+
+    def _touch(self, block_id: BlockId) -> None:
+        if block_id != NULL_BLOCK:
+            super()._touch(block_id)
+
+    def _release(self, block_id: BlockId) -> None:
+        if block_id != NULL_BLOCK:
+            super()._release(block_id)

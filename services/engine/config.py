@@ -19,7 +19,8 @@ class EngineConfig:
     kv_cache_gib: float = 2.0
     """Memory for the KV block pool (pre-allocated and touched at start)."""
     num_kv_blocks: int | None = None
-    """Exact pool size in blocks; overrides kv_cache_gib (tests)."""
+    """Exact pool size in blocks; overrides kv_cache_gib (tests). For a hybrid model, the
+    full-attention pool's: its sliding-window pool is sized by rule (kv_groups.num_window_blocks)."""
     max_num_seqs: int = 64
     """Most sequences running at once."""
     max_num_batched_tokens: int = 2048

@@ -22,13 +22,14 @@ from services.common import metrics
 from services.common.cost_model import PrefillCost
 from services.common.errors import InvalidRequestError, PromptTooLongError
 from services.common.sampling_params import SamplingParams, StructuredOutput
-from services.engine.block_manager import BlockManager
+from services.engine.block_manager import BlockManager, SlidingWindowBlockManager
 from services.engine.config import EngineConfig
+from services.engine.kv_groups import KVGroups, num_window_blocks
 from services.engine.models.loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
 from services.engine.outputs import OutputState, RequestOutput
 from services.engine.scheduler import OnlineCost, Scheduler
-from services.engine.seams import Handoff, KVBlock, KVExport, KVReservation
+from services.engine.seams import NO_WINDOW_HANDOVER, Handoff, KVBlock, KVExport, KVReservation
 from services.engine.structured import CompiledGrammar, GrammarCompiler
 from services.engine.threads import parse_cpus
 from services.engine.sequence import (BlockId, FinishReason, MultiModalInput, RequestId, Sequence,
@@ -56,6 +57,10 @@ class EngineStats:
     num_total_blocks: int
     queued_prefill_compute_s: float = 0.0
     """The queued prefill tokens priced by the fitted cost model (0 before it has one)."""
+    num_used_window_blocks: int = 0
+    num_total_window_blocks: int = 0
+    """A hybrid model's sliding-window pool (0 for other models); the fields above count the
+    full-attention pool."""
 
 
 class LLMEngine:
@@ -70,15 +75,23 @@ class LLMEngine:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         bs = config.block_size
+        # A hybrid model's window pool is sized for max_num_seqs full chunks (kv_groups.py); the
+        # full-attention pool, num_kv_blocks, gets the rest of the memory.
+        num_window = (num_window_blocks(cfg.sliding_window, bs, config.max_num_seqs, config.max_num_batched_tokens)
+                      if cfg.has_window_pool else 0)
+        window_bytes = (num_window + 1) * kv_block_bytes(cfg, bs, dtype, 1) if num_window else 0
         num_blocks = config.num_kv_blocks or max(
-            1, int(config.kv_cache_gib * 2**30) // kv_block_bytes(cfg, bs, dtype))
+            1, (int(config.kv_cache_gib * 2**30) - window_bytes) // kv_block_bytes(cfg, bs, dtype))
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, num_blocks * bs)
         eos = tuple(cfg.eos_token_ids) or (self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.eos_token_ids = eos
         self._root_keys = dict(model=cfg.name, block_size=bs, dtype=str(dtype).removeprefix("torch."))
         self.root = root_hash(**self._root_keys)
         self.block_manager = BlockManager(num_blocks, bs, self.root, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+        """The full-attention pool's blocks (every layer's, for a plain model): what the seams move."""
+        self.kv = KVGroups([self.block_manager] + ([SlidingWindowBlockManager(
+            num_window, bs, self.root, cfg.sliding_window, config.enable_prefix_caching)] if num_window else []))
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, eos, config.step_time_budget_s,
                                    speculative=config.speculative)
         self.num_draft_tokens = 0
@@ -89,7 +102,8 @@ class LLMEngine:
         kv_buffer = kv_allocator(num_blocks * self.kv_block_bytes) if kv_allocator else None
         self.runner = ModelRunner(cfg, loaded.weights, num_blocks, bs, device, dtype, eos, kv_buffer,
                                   batch_invariant=config.batch_invariant,
-                                  cpu_threads=parse_cpus(config.cpu_threads))
+                                  cpu_threads=parse_cpus(config.cpu_threads),
+                                  num_window_blocks=num_window and len(self.kv.managers[1].blocks))
         self.grammar_compiler = GrammarCompiler(self.tokenizer, cfg.vocab_size, eos) if self.tokenizer else None
         self._states: dict[RequestId, OutputState] = {}
         self.last_step_num_tokens = 0
@@ -97,8 +111,8 @@ class LLMEngine:
         self._held: dict[RequestId, Sequence] = {}
         """Requests added with ``hold_for_kv``: not scheduled until their KV is committed."""
         self._ids = itertools.count()
-        logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
-                    cfg.name, device, dtype, num_blocks, bs, self.max_model_len)
+        logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens (+%d for sliding windows), "
+                    "max_model_len %d", cfg.name, device, dtype, num_blocks, bs, num_window, self.max_model_len)
 
     # ----- requests ----------------------------------------------------------------------
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
@@ -138,6 +152,8 @@ class LLMEngine:
         another engine (:meth:`reserve_kv`, :meth:`commit_kv`), so it is not scheduled yet.
         ``cache_salt``: only requests with the same salt share cached KV. ``grammar``:
         ``params.structured`` compiled (:meth:`compile_grammar`); None: compiled here, now."""
+        if hold_for_kv:
+            self._check_seams()
         token_ids = self.validate(prompt, params)
         rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
         if rid in self._states:
@@ -212,7 +228,9 @@ class LLMEngine:
             num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
             queued_prefill_compute_s=0.0 if cost is None else sum(
                 cost.prompt_seconds(len(s), s.num_computed_tokens, self.config.max_num_batched_tokens)
-                for s in prefilling))
+                for s in prefilling),
+            num_used_window_blocks=sum(self.kv.num_used_blocks()[1:]),
+            num_total_window_blocks=sum(m.num_blocks for m in self.kv.managers[1:]))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -303,17 +321,22 @@ class LLMEngine:
         token_ids = self.validate(list(token_ids), SamplingParams())
         self._check_mm_inputs(mm_inputs, len(token_ids))
         seq = Sequence(RequestId("score"), token_ids, SamplingParams(), mm_inputs=tuple(mm_inputs))
-        if self.block_manager.allocate_slots(seq, len(token_ids)) is None:
+        if self.kv.allocate_slots(seq, len(token_ids)) is None:
             raise InvalidRequestError("no free KV blocks to score this prompt now")
         try:
-            return self.runner.score(token_ids, seq.block_table, chunk_size, seq.mm_slices)
+            return self.runner.score(token_ids, seq.block_tables, chunk_size, seq.mm_slices)
         finally:
-            self.block_manager.free(seq)
+            self.kv.free(seq)
+
+    def _check_seams(self) -> None:
+        if self.model_config.has_window_pool:
+            raise RuntimeError(NO_WINDOW_HANDOVER)
 
     # ----- the disaggregation seam -------------------------------------------------------
     def detach(self, request_id: str) -> Handoff:
         """Take a running request that has sampled its first token out of this engine, keeping
         its prompt KV for another engine to read; free it with :meth:`release_handoff`."""
+        self._check_seams()
         state = self._states.pop(RequestId(request_id))
         seq = state.seq
         assert seq.num_computed_tokens == seq.num_prompt_tokens and seq.num_output_tokens >= 1, seq
@@ -330,6 +353,7 @@ class LLMEngine:
 
     def reserve_kv(self, request_id: str) -> KVReservation | None:
         """Blocks for a held request's prompt KV (local prefix hits first); None: no room now."""
+        self._check_seams()
         seq = self._held[RequestId(request_id)]
         assert not seq.block_table
         hits = self.block_manager.get_computed_blocks(seq)
@@ -354,6 +378,7 @@ class LLMEngine:
 
     def block_buffer(self, block_id: BlockId) -> torch.Tensor:
         """One block's KV bytes in the pool (contiguous), what a transfer reads or writes."""
+        self._check_seams()
         return self.runner.block_view(block_id).view(torch.uint8).view(-1)
 
     def prompt_hashes(self, token_ids: list[int], mm_inputs: Sequence_[MultiModalInput] = (),
@@ -369,6 +394,7 @@ class LLMEngine:
         """Blocks for the first ``num_blocks`` blocks of a prompt whose KV will be read in
         (e.g. from the KV store): local prefix hits first, pinned so nothing evicts them
         meanwhile. Give them back with :meth:`fill_prefix`; None: no room now."""
+        self._check_seams()
         bm = self.block_manager
         local = bm.cached_prefix(token_ids, hashes[:num_blocks])
         bm.pin(local)
@@ -394,6 +420,7 @@ class LLMEngine:
     def export_kv(self, token_ids: list[int], hashes: list[BlockHash] | None = None) -> KVExport:
         """Pin and expose the cached full blocks covering the longest prefix of ``token_ids``
         (``hashes``: theirs from :meth:`prompt_hashes`; default: unsalted, without images)."""
+        self._check_seams()
         bm = self.block_manager
         bs = bm.block_size
         hashes = block_hashes(token_ids, bs, self.root) if hashes is None else hashes
@@ -409,6 +436,7 @@ class LLMEngine:
 
     def import_kv(self, blocks: list[KVBlock]) -> int | None:
         """Copy blocks into this engine's pool and prefix cache; None if there is no room."""
+        self._check_seams()
         slots = self.block_manager.allocate_cached([(b.block_hash, b.token_ids) for b in blocks])
         if slots is None:
             return None

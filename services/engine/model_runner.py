@@ -1,9 +1,19 @@
 """Runs one scheduled step on the model: the only engine part that touches torch tensors.
 
 It receives a :class:`SchedulerOutput` and nothing else (STYLE rule 3), owns the model, the
-KV block pool and per-request state (tokens, block table, seeded generator, grammar matcher;
+KV block pools and per-request state (tokens, block tables, seeded generator, grammar matcher;
 a request's first chunk brings it, later chunks only their changes), and returns the sampled
 tokens. It knows nothing of queues or of how blocks were chosen.
+
+One pool per KV group (``ModelConfig.kv_groups``), each block-major as attention.py draws it::
+
+    kv_caches[0]  [num_blocks,        L_full,    2, B, kv_heads, head_dim]   every layer, or a
+                                                                           hybrid's full-attention ones
+    kv_caches[1]  [num_window_blocks, L_sliding, 2, B, kv_heads, head_dim]   a hybrid's sliding-window
+                                                                           layers (block 0: NULL)
+
+A step builds one :class:`AttentionMetadata` per group (slot rows and tables differ, the chunks
+do not) and each layer attends over its group's pool with its index inside the group.
 """
 
 from __future__ import annotations
@@ -11,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import platform
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,11 +52,16 @@ class RequestState:
         self.grammar = new.grammar
         self.prompt_token_ids = new.prompt_token_ids
         self.output_token_ids = list(new.output_token_ids)
-        self.block_table = BlockTable()
+        self.block_tables = [BlockTable()]
+        """One per KV group."""
 
     def update(self, chunk: ScheduledChunk) -> None:
         self.output_token_ids.extend(chunk.new_token_ids)
-        self.block_table.update(chunk.num_kept_blocks, chunk.new_block_ids)
+        self.block_tables[0].update(chunk.num_kept_blocks, chunk.new_block_ids)
+        for group, change in enumerate(chunk.other_tables, 1):
+            if group == len(self.block_tables):
+                self.block_tables.append(BlockTable())
+            self.block_tables[group].update(change.num_kept, change.new_block_ids)
 
 
 @dataclass
@@ -86,17 +102,20 @@ def keep_heap_pages() -> bool:
     return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, group: int = 0) -> int:
+    """Bytes of one block of KV group ``group``'s pool (all its layers)."""
+    num_layers = len(cfg.kv_groups[group])
+    return num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], num_blocks: int,
                  block_size: int, device: torch.device, dtype: torch.dtype,
                  eos_token_ids: tuple[int, ...] = (), kv_buffer=None, batch_invariant: bool = False,
-                 cpu_threads: list[int] | None = None) -> None:
-        """``cpu_threads``: the CPUs a CPU engine's compute threads are bound to (threads.py);
-        None leaves torch's threads as they are."""
+                 num_window_blocks: int = 0, cpu_threads: list[int] | None = None) -> None:
+        """``num_blocks``: group 0's pool; ``num_window_blocks``: a hybrid model's sliding-window
+        pool (its NULL block included); ``cpu_threads``: the CPUs a CPU engine's compute threads
+        are bound to (threads.py), None leaves torch's threads as they are."""
         self.cfg = cfg
         self.block_size = block_size
         self.device, self.dtype = device, dtype
@@ -109,7 +128,10 @@ class ModelRunner:
         self.model = model.to(device=device, dtype=dtype).eval()
         # After .to(dtype): RoPE frequencies stay fp32 like Hugging Face's.
         self.model.inv_freq = rope_inv_freq(cfg).to(device)
-        shape = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+        groups = cfg.kv_groups
+        assert (len(groups) > 1) == (num_window_blocks > 0), "a window pool exactly for a hybrid model"
+        assert kv_buffer is None or len(groups) == 1, "the seams move one pool: not a hybrid model's"
+        shape = (num_blocks, len(groups[0]), 2, block_size, cfg.num_kv_heads, cfg.head_dim)
         if kv_buffer is not None:
             # A registered memory region (shared memory the transfer engine reads one-sided):
             # the pool is a view of it, already touched by its allocator.
@@ -119,6 +141,10 @@ class ModelRunner:
         else:
             # Zero-filled, so every page of the pool is touched now rather than mid-request.
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_caches = [self.kv_cache] + [
+            torch.zeros((num_window_blocks, len(layers)) + shape[2:], dtype=dtype, device=device)
+            for layers in groups[1:]]
+        self._group_num_layers = [len(layers) for layers in groups]
         self._gather_buffer = self.kv_cache.new_empty((2, 0) + tuple(self.kv_cache.shape[3:]))
         # Where the CPU's kernels exist (fp32, bf16), attention reads blocks in place, and fp32
         # decode steps use packed weights (bf16 ones oneDNN's products); on CUDA the Triton
@@ -155,7 +181,7 @@ class ModelRunner:
         is_verify_step = out.num_tokens <= MAX_PACKED_ROWS and all(
             len(c.token_ids) == 1 + len(c.draft_token_ids) and c.start_position > 0 for c in out.chunks)
         hidden, meta = self._forward(
-            [(c.start_position, c.token_ids, state.block_table) for c, state in zip(out.chunks, states)],
+            [(c.start_position, c.token_ids, state.block_tables) for c, state in zip(out.chunks, states)],
             [c.mm_embeds for c in out.chunks], is_verify_step)
         sample_rows, rows, ids, constrained, verifying = [], [], [], [], []
         end = 0
@@ -217,10 +243,11 @@ class ModelRunner:
             at += len(drafts) + 1
         return ModelRunnerOutput(sampled, kept_logprobs)
 
-    def _forward(self, chunks: list[tuple[int, list[int], BlockTable | list[BlockId]]],
+    def _forward(self, chunks: list[tuple[int, list[int], Sequence[BlockTable | list[BlockId]]]],
                  mm_embeds: list[list[tuple[int, torch.Tensor]]] | None = None, is_verify_step: bool = False
                  ) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Final hidden states of the flat batch, and the step's attention metadata."""
+        """Final hidden states of the flat batch, and the step's attention metadata (group 0's;
+        ``chunks`` carry one block table per KV group)."""
         if self.threads is not None:
             self.threads.ensure()
         input_ids = torch.tensor([t for _, toks, _ in chunks for t in toks], dtype=torch.long,
@@ -234,11 +261,13 @@ class ModelRunner:
                     inputs_embeds[row + offset:row + offset + len(rows)] = rows.to(inputs_embeds)
                 row += len(toks)
         positions = torch.cat([torch.arange(s, s + len(toks)) for s, toks, _ in chunks]).to(self.device)
-        meta = build_metadata([(s, len(toks), table) for s, toks, table in chunks], self.block_size,
-                              self.cfg.num_layers, self.device, self._kernels, self.batch_invariant)
-        meta.workspace = self._workspace(meta.max_gather_blocks)
-        meta.is_verify_step = is_verify_step
-        return self.model(input_ids, positions, self.kv_cache, meta, inputs_embeds), meta
+        metas = [build_metadata([(s, len(toks), tables[group]) for s, toks, tables in chunks], self.block_size,
+                                num_layers, self.device, self._kernels, self.batch_invariant)
+                 for group, num_layers in enumerate(self._group_num_layers)]
+        workspace = self._workspace(max(meta.max_gather_blocks for meta in metas))
+        for meta in metas:
+            meta.workspace, meta.is_verify_step = workspace, is_verify_step
+        return self.model(input_ids, positions, self.kv_caches, metas, inputs_embeds), metas[0]
 
     def _workspace(self, num_blocks: int) -> torch.Tensor:
         """Scratch for gathered K/V, kept across steps and grown by doubling."""
@@ -269,7 +298,7 @@ class ModelRunner:
         return SamplingRow(params, state.prompt_token_ids, output, generator, suppressed)
 
     @torch.inference_mode()
-    def score(self, token_ids: list[int], block_table: list[BlockId], chunk_size: int | None = None,
+    def score(self, token_ids: list[int], block_tables: list[list[BlockId]], chunk_size: int | None = None,
               mm_slices=None) -> torch.Tensor:
         """Logits at every position of one sequence (oracle tests, prompt logprobs); with
         ``chunk_size``, computed in chunks of that many tokens as chunked prefill computes them
@@ -279,7 +308,7 @@ class ModelRunner:
         logits = []
         for start in range(0, len(token_ids), chunk_size):
             chunk = list(token_ids[start:start + chunk_size])
-            hidden, _ = self._forward([(start, chunk, block_table)],
+            hidden, _ = self._forward([(start, chunk, block_tables)],
                                       [mm_slices(start, len(chunk))] if mm_slices else None)
             logits.append(self.model.compute_logits(hidden).float())
         return torch.cat(logits)

@@ -10,7 +10,9 @@ Each step has one token budget. Running sequences go first, in admission order (
 costs one token, an unfinished prefill takes the next chunk that fits); then waiting ones are
 admitted while budget, sequence slots and free blocks last. When a running sequence needs a
 block and none is free, the most recently admitted one is preempted: its blocks are freed and
-it is recomputed later (most of it from the prefix cache, if its blocks survive).
+it is recomputed later (most of it from the prefix cache, if its blocks survive). Blocks are
+those of every KV group at once (kv_groups.py): a hybrid model's sliding-window pool can run
+short too, and after each step its blocks that fell out of the window are freed (``commit``).
 
 With a time budget (``step_time_budget_s > 0`` and a cost model) a step also has seconds to
 spend, priced by :class:`PrefillCost`: the fixed cost of the step and every decode (a sequence
@@ -34,7 +36,8 @@ from dataclasses import dataclass
 
 from services.common.cost_model import PrefillCost
 from services.engine.block_manager import BlockManager
-from services.engine.scheduler_output import NewRequest, ScheduledChunk, SchedulerOutput
+from services.engine.kv_groups import KVGroups
+from services.engine.scheduler_output import NewRequest, ScheduledChunk, SchedulerOutput, TableChange
 from services.engine.sequence import BlockId, FinishReason, RequestId, RunnerSync, Sequence, SequenceStatus
 from services.engine.speculative import DRAFTERS, DraftState, SpeculativeConfig
 
@@ -120,10 +123,11 @@ class StepBudget:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, block_manager: BlockManager | KVGroups, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...] = (), step_time_budget_s: float = 0.0,
                  cost: PrefillCost | None = None, speculative: SpeculativeConfig | None = None) -> None:
-        self.block_manager = block_manager
+        self.kv = block_manager if isinstance(block_manager, KVGroups) else KVGroups([block_manager])
+        """The KV groups' blocks (one group for a plain model), allocated all or nothing."""
         self.speculative = speculative
         self._drafter = DRAFTERS[speculative.method]() if speculative is not None else None
         self.max_num_seqs = max_num_seqs
@@ -171,7 +175,7 @@ class Scheduler:
                 i += 1
                 continue
             num_new = budget.num_fitting(seq.num_uncomputed_tokens, seq.num_computed_tokens)
-            while self.block_manager.allocate_slots(seq, num_new) is None:
+            while self.kv.allocate_slots(seq, num_new) is None:
                 self._preempt(self.running.pop())
                 preempted = True
                 if seq.status is SequenceStatus.WAITING:
@@ -198,15 +202,14 @@ class Scheduler:
         return StepBudget(self.max_num_batched_tokens, cost, self.step_time_budget_s - cost.a - decode_s)
 
     def _admit(self, chunks: list[ScheduledChunk], budget: StepBudget) -> None:
-        bm = self.block_manager
         while self.waiting and len(self.running) < self.max_num_seqs:
             if budget.num_tokens <= 0 or (budget.is_out_of_time and chunks):
                 break  # out of time, a new prefill still goes into an otherwise empty step
             seq = self.waiting[0]
-            hits = bm.get_computed_blocks(seq)
-            num_hit_tokens = len(hits) * bm.block_size
+            hit = self.kv.get_computed_blocks(seq)
+            num_hit_tokens = hit.num_tokens
             num_new = budget.num_fitting(len(seq) - num_hit_tokens, num_hit_tokens)
-            if bm.allocate_slots(seq, num_new, hits) is None:
+            if self.kv.allocate_slots(seq, num_new, hit) is None:
                 break
             self.waiting.popleft()
             seq.num_computed_tokens = num_hit_tokens
@@ -233,34 +236,36 @@ class Scheduler:
         if params.num_speculative_tokens is not None:
             max_tokens = min(max_tokens, params.num_speculative_tokens)
         drafts = self._drafter.propose(seq.token_ids, seq.draft, max_tokens) if max_tokens > 0 else []
-        if not drafts or self.block_manager.allocate_slots(seq, 1 + len(drafts)) is None:
+        if not drafts or self.kv.allocate_slots(seq, 1 + len(drafts)) is None:
             return []
         return drafts
 
     def _chunk(self, seq: Sequence, num_new: int, drafts: list[int] = ()) -> ScheduledChunk:
         start = seq.num_computed_tokens
         new_request = None
-        if not seq.sync.is_known:
+        sync, tables = seq.sync, seq.block_tables
+        if not sync.is_known:
             new_request = NewRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.grammar)
-            seq.sync.is_known, seq.sync.num_tokens, seq.sync.num_blocks = True, len(seq), 0
-        num_kept_blocks = seq.sync.num_blocks
+            sync.is_known, sync.num_tokens, sync.num_blocks = True, len(seq), [0] * len(tables)
+        kept = sync.num_blocks
         chunk = ScheduledChunk(
             request_id=seq.request_id,
             token_ids=seq.token_ids[start:start + num_new] + list(drafts),
             start_position=start,
             samples=start + num_new == len(seq),
             new_request=new_request,
-            new_token_ids=seq.token_ids[seq.sync.num_tokens:],
-            num_kept_blocks=num_kept_blocks,
-            new_block_ids=seq.block_table[num_kept_blocks:],
+            new_token_ids=seq.token_ids[sync.num_tokens:],
+            num_kept_blocks=kept[0],
+            new_block_ids=tables[0][kept[0]:],
+            other_tables=tuple(TableChange(kept[g], tables[g][kept[g]:]) for g in range(1, len(tables))),
             mm_embeds=seq.mm_slices(start, num_new) if seq.mm_inputs else [],
             draft_token_ids=tuple(drafts),
         )
-        seq.sync.num_tokens, seq.sync.num_blocks = len(seq), len(seq.block_table)
+        sync.num_tokens, sync.num_blocks = len(seq), [len(t) for t in tables]
         return chunk
 
     def _preempt(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
+        self.kv.free(seq)
         seq.sync = RunnerSync()  # recomputed from scratch: the runner hears of it anew
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -289,9 +294,9 @@ class Scheduler:
                 seq.num_computed_tokens = min(seq.num_computed_tokens + len(token_ids) - 1, len(seq) - 1)
                 updated.append((seq, num_kept))
             if num_drafts:
-                self.block_manager.trim(seq)
-                seq.sync.num_blocks = min(seq.sync.num_blocks, len(seq.block_table))
-            self.block_manager.cache_full_blocks(seq)
+                self.kv.trim(seq)
+                seq.sync.num_blocks = [min(n, len(t)) for n, t in zip(seq.sync.num_blocks, seq.block_tables)]
+            self.kv.commit(seq)
             if seq.is_finished:
                 self._release(seq)
         return updated
@@ -340,6 +345,7 @@ class Scheduler:
 
         The caller owns the returned blocks (one reference each) until it frees them.
         """
+        assert len(seq.block_tables) == 1, "a window group's blocks are not handed over (engine.py)"
         self.running.remove(seq)
         blocks, seq.block_table = seq.block_table, []
         seq.status = SequenceStatus.FINISHED
@@ -357,5 +363,5 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        self.kv.free(seq)
         self._finished_ids.append(seq.request_id)

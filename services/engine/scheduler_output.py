@@ -24,6 +24,15 @@ class NewRequest:
 
 
 @dataclass(frozen=True)
+class TableChange:
+    """How one block table changed since the runner last heard: keep ``num_kept`` entries,
+    append ``new_block_ids``."""
+
+    num_kept: int
+    new_block_ids: list[BlockId]
+
+
+@dataclass(frozen=True)
 class ScheduledChunk:
     """One sequence's share of a step: which tokens to compute and where their KV goes.
 
@@ -44,6 +53,10 @@ class ScheduledChunk:
     """Leading entries of the runner's block table that still hold (rejected drafts' blocks go)."""
     new_block_ids: list[BlockId] = field(default_factory=list)
     """Blocks appended after those."""
+    other_tables: tuple[TableChange, ...] = ()
+    """The same for KV groups 1.. (a hybrid model's sliding-window layers). Blocks freed because
+    they fell out of the window are not sent: the runner's stale entries lie before every
+    query's window, where kernels skip or mask what they find (attention.py)."""
     mm_embeds: list[tuple[int, Any]] = field(default_factory=list)
     """(offset in token_ids, embedding rows) that replace those tokens' input embeddings."""
     draft_token_ids: tuple[int, ...] = ()

@@ -12,6 +12,11 @@ from kvstore.hashing import BlockHash
 from services.common.sampling_params import TokenLogprobs
 from services.engine.sequence import BlockId, RequestId
 
+NO_WINDOW_HANDOVER = ("sliding-window models run in one engine for now: the hand-over of their window "
+                      "KV is not built")
+"""Why the seams refuse a hybrid model (ModelConfig.has_window_pool): they move whole blocks of
+one pool, and would leave the sliding-window layers' pool behind."""
+
 
 @dataclass
 class KVBlock:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NewType
 
 from kvstore.hashing import BlockHash
@@ -63,8 +63,8 @@ class RunnerSync:
     is_known: bool = False
     num_tokens: int = 0
     """Leading tokens of ``token_ids`` the runner has."""
-    num_blocks: int = 0
-    """Leading entries of ``block_table`` the runner has."""
+    num_blocks: list[int] = field(default_factory=list)
+    """Per KV group, the leading entries of that group's block table the runner has."""
 
 
 class Sequence:
@@ -79,7 +79,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         """Prompt tokens served from the prefix cache at first admission (usage reporting)."""
-        self.block_table: list[BlockId] = []
+        self.block_tables: list[list[BlockId]] = [[]]
+        """One block table per KV group (models.config.ModelConfig.kv_groups); a plain model has one."""
         self.root = root
         """Parent of the first block's hash (it carries the cache salt); None: the engine's."""
         self.block_hashes: list[BlockHash] = []
@@ -101,6 +102,21 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, len={len(self)}, computed={self.num_computed_tokens}, "
                 f"status={self.status.value})")
+
+    @property
+    def block_table(self) -> list[BlockId]:
+        """The block table of KV group 0 (every layer's, or a hybrid model's full-attention layers')."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[BlockId]) -> None:
+        self.block_tables[0] = table
+
+    def table(self, group: int) -> list[BlockId]:
+        """The block table of KV group ``group`` (made empty on first use)."""
+        while len(self.block_tables) <= group:
+            self.block_tables.append([])
+        return self.block_tables[group]
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -55,6 +55,28 @@ class ModelConfig:
     def is_hybrid(self) -> bool:
         return any(self.window(layer) for layer in range(self.num_layers))
 
+    @property
+    def kv_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The layers whose KV share one block pool: for a model that mixes both kinds, the
+        full-attention layers (group 0) and the sliding-window ones (group 1, which keeps only
+        each sequence's window); otherwise one group of every layer, as a plain model has. A model
+        whose every layer slides keeps one pool too (nothing to pair the window pool with)."""
+        full = tuple(layer for layer in range(self.num_layers) if not self.window(layer))
+        sliding = tuple(layer for layer in range(self.num_layers) if self.window(layer))
+        return (full, sliding) if full and sliding else (tuple(range(self.num_layers)),)
+
+    @property
+    def has_window_pool(self) -> bool:
+        """Sliding-window layers keep their KV apart, only the window of each sequence."""
+        return len(self.kv_groups) > 1
+
+    def kv_group_of(self, layer: int) -> tuple[int, int]:
+        """(group, index of ``layer`` within it): where the layer's KV lies in the pools."""
+        for group, layers in enumerate(self.kv_groups):
+            if layer in layers:
+                return group, layers.index(layer)
+        raise IndexError(layer)
+
     @classmethod
     def from_hf_dict(cls, cfg: dict, name: str = "model") -> "ModelConfig":
         """Build from a Hugging Face config.json dict (LlamaConfig / MistralConfig / Qwen2Config,

@@ -108,9 +108,12 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.window = cfg.window(layer)
         """Sliding-window layers' window (0: full attention)."""
+        self.group, self.index = cfg.kv_group_of(layer)
+        """The KV group whose pool holds this layer's KV, and the layer's index in that pool."""
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
+                metas: list[AttentionMetadata]) -> torch.Tensor:
+        kv_cache, meta = kv_caches[self.group], metas[self.group]
         packed = meta.packed_products
         qkv = self.qkv_proj(x, packed)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -118,14 +121,14 @@ class Attention(nn.Module):
         if meta.kernels is not None:
             # One pass: q and k rotated, k and v stored (the torch lines below, bit for bit).
             q, k = meta.kernels.rope_store(qkv, cos, sin, kv_cache, meta.slot_rows,
-                                           *meta.token_row_offsets(self.layer), self.num_heads)
+                                           *meta.token_row_offsets(self.index), self.num_heads)
         else:
             q = q.view(-1, self.num_heads, self.head_dim)
             k = k.view(-1, self.num_kv_heads, self.head_dim)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            store_kv(k, v, kv_cache, self.layer, meta)
-        o = paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale, self.window)
+            store_kv(k, v, kv_cache, self.index, meta)
+        o = paged_attention(q, k, v, kv_cache, self.index, meta, self.scale, self.window)
         return self.o_proj(o.reshape(-1, self.q_size), packed)
 
 
@@ -152,9 +155,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x), meta.packed_products)
+    def forward(self, x, cos, sin, kv_caches, metas):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_caches, metas)
+        return x + self.mlp(self.post_attention_layernorm(x), metas[0].packed_products)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -170,17 +173,18 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.packed_tied_head: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Flat batch of tokens -> final hidden states [T, hidden]. ``inputs_embeds`` replaces
-        the token embeddings (images spliced in at their placeholder positions)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                metas: list[AttentionMetadata], inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat batch of tokens -> final hidden states [T, hidden]. ``kv_caches`` and ``metas``:
+        one pool and one step's metadata per KV group (ModelConfig.kv_groups). ``inputs_embeds``
+        replaces the token embeddings (images spliced in at their placeholder positions)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(x.dtype)[:, None, :]
         sin = emb.sin().to(x.dtype)[:, None, :]
         for layer in self.layers:
-            x = layer(x, cos, sin, kv_cache, meta)
+            x = layer(x, cos, sin, kv_caches, metas)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor, packed: bool = False) -> torch.Tensor:
