@@ -1,9 +1,10 @@
 """The engine: one loop of ``schedule -> execute -> postprocess`` over many requests.
 
 It validates requests at the door (clear errors, nothing half-added), owns the request
-states, and exposes the seam disaggregation builds on: export the KV of a prompt's full blocks
-from one engine and import them into another, which then continues exactly where the first
-one stopped (its prefix cache hits the imported blocks).
+states, and exposes the seams disaggregation builds on: a request handed over with its prompt's
+KV (detach here, reserve_kv / commit_kv there), and, through ``engine.prefix``
+(prefix_seam.py), full blocks by hash exported from one engine and imported into another, which
+then continues exactly where the first one stopped (its prefix cache hits the imported blocks).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.hashing import BlockHash, block_hashes, root_hash
+from kvstore.hashing import BlockHash, root_hash
 from services.common import metrics
 from services.common.cost_model import PrefillCost
 from services.common.errors import InvalidRequestError, PromptTooLongError
@@ -29,11 +30,11 @@ from services.engine.models.loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
 from services.engine.outputs import OutputState, RequestOutput
 from services.engine.scheduler import OnlineCost, Scheduler
-from services.engine.seams import NO_WINDOW_HANDOVER, Handoff, KVBlock, KVExport, KVReservation
+from services.engine.prefix_seam import PrefixSeam
+from services.engine.seams import Handoff, KVReservation, check_seams
 from services.engine.structured import CompiledGrammar, GrammarCompiler
 from services.engine.threads import parse_cpus
-from services.engine.sequence import (BlockId, FinishReason, MultiModalInput, RequestId, Sequence,
-                                      SequenceStatus)
+from services.engine.sequence import FinishReason, MultiModalInput, RequestId, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 SPEC_DRAFT_TOKENS = metrics.counter("epd_spec_decode_draft_tokens_total",
@@ -104,6 +105,8 @@ class LLMEngine:
                                   batch_invariant=config.batch_invariant,
                                   cpu_threads=parse_cpus(config.cpu_threads),
                                   num_window_blocks=num_window and len(self.kv.managers[1].blocks))
+        self.prefix = PrefixSeam(self.block_manager, self.runner, self.root_for, cfg.has_window_pool)
+        """Full blocks by hash between this pool and other engines or the KV store."""
         self.grammar_compiler = GrammarCompiler(self.tokenizer, cfg.vocab_size, eos) if self.tokenizer else None
         self._states: dict[RequestId, OutputState] = {}
         self.last_step_num_tokens = 0
@@ -329,8 +332,7 @@ class LLMEngine:
             self.kv.free(seq)
 
     def _check_seams(self) -> None:
-        if self.model_config.has_window_pool:
-            raise RuntimeError(NO_WINDOW_HANDOVER)
+        check_seams(self.model_config.has_window_pool)
 
     # ----- the disaggregation seam -------------------------------------------------------
     def detach(self, request_id: str) -> Handoff:
@@ -375,73 +377,3 @@ class LLMEngine:
         seq = self._held.pop(RequestId(request_id))
         self.block_manager.free(seq)
         self.scheduler.add(seq)
-
-    def block_buffer(self, block_id: BlockId) -> torch.Tensor:
-        """One block's KV bytes in the pool (contiguous), what a transfer reads or writes."""
-        self._check_seams()
-        return self.runner.block_view(block_id).view(torch.uint8).view(-1)
-
-    def prompt_hashes(self, token_ids: list[int], mm_inputs: Sequence_[MultiModalInput] = (),
-                      cache_salt: str = "") -> tuple[list[BlockHash], int]:
-        """The hashes of a token sequence's full blocks, exactly as a request would have them,
-        and how many leading ones this engine's prefix cache holds."""
-        seq = Sequence(RequestId("probe"), list(token_ids), SamplingParams(), mm_inputs=tuple(mm_inputs),
-                       root=self.root_for(cache_salt))
-        hashes = self.block_manager.update_hashes(seq)
-        return hashes, len(self.block_manager.cached_prefix(seq.token_ids, hashes))
-
-    def reserve_prefix(self, token_ids: list[int], hashes: list[BlockHash], num_blocks: int) -> KVReservation | None:
-        """Blocks for the first ``num_blocks`` blocks of a prompt whose KV will be read in
-        (e.g. from the KV store): local prefix hits first, pinned so nothing evicts them
-        meanwhile. Give them back with :meth:`fill_prefix`; None: no room now."""
-        self._check_seams()
-        bm = self.block_manager
-        local = bm.cached_prefix(token_ids, hashes[:num_blocks])
-        bm.pin(local)
-        new = bm.allocate_blocks(num_blocks - len(local))
-        if new is None:
-            bm.unpin(local)
-            return None
-        return KVReservation(local + new, len(local))
-
-    def fill_prefix(self, reservation: KVReservation, token_ids: list[int], hashes: list[BlockHash],
-                    filled: Sequence_[int]) -> None:
-        """Blocks ``filled`` (positions in the prompt, each past the reservation's local hits)
-        now hold their KV: the prefix cache finds them from now on. Every reserved block is
-        unpinned. A block's KV depends only on the tokens its hash chains over, so a filled
-        block is right under its hash even when an earlier one did not arrive."""
-        bs, first = self.block_manager.block_size, reservation.num_local_blocks
-        assert all(first <= i < len(reservation.block_ids) for i in filled), (filled, first)
-        self.block_manager.register([reservation.block_ids[i] for i in filled],
-                                    [(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs])) for i in filled])
-        self.block_manager.unpin(reservation.block_ids)
-        reservation.block_ids = []
-
-    def export_kv(self, token_ids: list[int], hashes: list[BlockHash] | None = None) -> KVExport:
-        """Pin and expose the cached full blocks covering the longest prefix of ``token_ids``
-        (``hashes``: theirs from :meth:`prompt_hashes`; default: unsalted, without images)."""
-        self._check_seams()
-        bm = self.block_manager
-        bs = bm.block_size
-        hashes = block_hashes(token_ids, bs, self.root) if hashes is None else hashes
-        ids = bm.cached_prefix(token_ids, hashes)
-        bm.pin(ids)
-        blocks = [KVBlock(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]), self.runner.block_view(block_id))
-                  for i, block_id in enumerate(ids)]
-        return KVExport(blocks, ids)
-
-    def release(self, export: KVExport) -> None:
-        self.block_manager.unpin(export.block_ids)
-        export.block_ids = []
-
-    def import_kv(self, blocks: list[KVBlock]) -> int | None:
-        """Copy blocks into this engine's pool and prefix cache; None if there is no room."""
-        self._check_seams()
-        slots = self.block_manager.allocate_cached([(b.block_hash, b.token_ids) for b in blocks])
-        if slots is None:
-            return None
-        written = [(b, s) for b, s in zip(blocks, slots) if s is not None]
-        for block, block_id in written:
-            self.runner.write_block(block_id, block.data)
-        self.block_manager.unpin([s for _, s in written])
-        return len(written)

@@ -1,6 +1,7 @@
 """What crosses the engine's disaggregation seams: a detached request's blocks (prefill ->
 decode), blocks reserved for KV that arrives from elsewhere (decode, KV store reads), and
-exported prefix blocks (engine -> engine, KV store writes). See :class:`LLMEngine`."""
+exported prefix blocks (engine -> engine, KV store writes). See :class:`LLMEngine` and
+:class:`~services.engine.prefix_seam.PrefixSeam`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ NO_WINDOW_HANDOVER = ("sliding-window models run in one engine for now: the hand
                       "KV is not built")
 """Why the seams refuse a hybrid model (ModelConfig.has_window_pool): they move whole blocks of
 one pool, and would leave the sliding-window layers' pool behind."""
+
+
+def check_seams(has_window_pool: bool) -> None:
+    """Raise for a model whose KV is not in one pool (see NO_WINDOW_HANDOVER)."""
+    if has_window_pool:
+        raise RuntimeError(NO_WINDOW_HANDOVER)
 
 
 @dataclass

@@ -135,7 +135,7 @@ class EngineSeam:
                             lease_id: str) -> Export | None:
         """Pin the cached full blocks of ``token_ids`` and name those from ``first_block`` on;
         None (nothing stays pinned) when none are cached past it."""
-        pinned = await self._engine.call(self._llm.export_kv, token_ids, hashes)
+        pinned = await self._engine.call(self._llm.prefix.export_kv, token_ids, hashes)
         block_ids = pinned.block_ids[first_block:]
         if not block_ids:
             self.release(pinned)
@@ -154,7 +154,7 @@ class EngineSeam:
         if isinstance(pinned, Handoff):
             self._engine.call_soon(self._llm.release_handoff, pinned)
         elif pinned is not None:
-            self._engine.call_soon(self._llm.release, pinned)
+            self._engine.call_soon(self._llm.prefix.release, pinned)
 
     async def _lend(self, block_ids: list[BlockId], lease_id: str, pinned: Handoff | KVExport) -> Export | None:
         if self._region_id is None and self.staging is None:
@@ -180,7 +180,7 @@ class EngineSeam:
             STAGING_FULL.labels("export").inc()
             self.release(pinned)
             return None
-        blocks = [self._llm.block_buffer(block_id) for block_id in block_ids]
+        blocks = [self._llm.prefix.block_buffer(block_id) for block_id in block_ids]
 
         def copy_and_describe() -> KVHandle:
             staging.copy_from_pool(blocks, slots)
@@ -200,7 +200,7 @@ class EngineSeam:
                             cache_salt: str = "") -> tuple[list[BlockHash], int]:
         """The full blocks' hashes as the request will have them, and how many leading ones
         the local prefix cache holds."""
-        return await self._engine.call(self._llm.prompt_hashes, token_ids, mm_inputs, cache_salt)
+        return await self._engine.call(self._llm.prefix.prompt_hashes, token_ids, mm_inputs, cache_salt)
 
     async def reserve_held(self, request_id: str) -> Reservation | None:
         """Blocks for a held request's prompt, local prefix hits first; None: no room now."""
@@ -212,7 +212,7 @@ class EngineSeam:
         """Blocks for a prompt's first ``num_blocks`` blocks, local hits pinned (from here on
         the one view of the local prefix: other requests may have cached or evicted some of it
         since :meth:`prompt_hashes`); None: no room now."""
-        blocks = await self._engine.call(self._llm.reserve_prefix, token_ids, hashes, num_blocks)
+        blocks = await self._engine.call(self._llm.prefix.reserve_prefix, token_ids, hashes, num_blocks)
         return None if blocks is None else Reservation(blocks, token_ids=token_ids, hashes=hashes)
 
     def transport_for(self, handle: KVHandle) -> str:
@@ -222,7 +222,7 @@ class EngineSeam:
     async def read(self, reservation: Reservation, handle: KVHandle, positions: Sequence[int]) -> str | None:
         """Read ``handle.blocks[i]`` one-sided into the reserved block at ``positions[i]``; the
         error, or None when every block arrived (see :func:`read_kv`)."""
-        destinations = [self._llm.block_buffer(reservation.block_ids[p]) for p in positions]
+        destinations = [self._llm.prefix.block_buffer(reservation.block_ids[p]) for p in positions]
         if self.staging is None:
             return await read_kv(self._transfer, handle, [d.numpy() for d in destinations])
         staging = self.staging
@@ -249,7 +249,7 @@ class EngineSeam:
             assert filled is None or list(filled) == list(rest), "a held request needs its whole prompt"
             await self._engine.call(self._llm.commit_kv, reservation.request_id, num_cached_tokens)
         else:
-            await self._engine.call(self._llm.fill_prefix, reservation.blocks, reservation.token_ids,
+            await self._engine.call(self._llm.prefix.fill_prefix, reservation.blocks, reservation.token_ids,
                                     reservation.hashes, list(rest if filled is None else filled))
 
     async def recompute(self, reservation: Reservation) -> None:

@@ -75,14 +75,14 @@ def test_export_import_continues_exactly_where_the_first_engine_stopped(tiny_lla
     prefill = LLM(str(tiny_llama_dir), num_kv_blocks=128)
     first = prefill.generate(prompt, SamplingParams(temperature=0, max_tokens=1))[0].token_ids
     assert first == reference[:1]
-    export = prefill.engine.export_kv(prompt)
+    export = prefill.engine.prefix.export_kv(prompt)
     assert export.num_tokens == 192 and len(export.blocks) == 12
     k0 = export.blocks[0].data[0, 0]  # layer 0's K view of the first block
     assert k0.shape == (16, 2, 16) and k0.abs().sum() > 0
     decode = LLM(str(tiny_llama_dir), num_kv_blocks=128)
-    assert decode.engine.import_kv(export.blocks) == 12
-    assert decode.engine.import_kv(export.blocks) == 0  # already there
-    prefill.engine.release(export)
+    assert decode.engine.prefix.import_kv(export.blocks) == 12
+    assert decode.engine.prefix.import_kv(export.blocks) == 0  # already there
+    prefill.engine.prefix.release(export)
     # The decode side continues from prompt + first token; only the tail block is recomputed.
     out = decode.generate(prompt + first, SamplingParams(temperature=0, max_tokens=15, ignore_eos=True))[0]
     assert out.num_cached_tokens == 192
@@ -95,21 +95,21 @@ def test_a_prefix_read_into_reserved_blocks_is_hit_and_salts_keep_caches_apart(t
     reference = LLM(str(tiny_llama_dir), num_kv_blocks=64).generate(prompt, GREEDY)[0].token_ids
     source = LLM(str(tiny_llama_dir), num_kv_blocks=64)
     source.generate(prompt, SamplingParams(temperature=0, max_tokens=1))
-    hashes, num_local = source.engine.prompt_hashes(prompt)
+    hashes, num_local = source.engine.prefix.prompt_hashes(prompt)
     assert len(hashes) == 9 and num_local == 9
-    salted, num_salted_local = source.engine.prompt_hashes(prompt, cache_salt="tenant-b")
+    salted, num_salted_local = source.engine.prefix.prompt_hashes(prompt, cache_salt="tenant-b")
     assert num_salted_local == 0 and not set(salted) & set(hashes)
-    export = source.engine.export_kv(prompt, hashes)
+    export = source.engine.prefix.export_kv(prompt, hashes)
 
     target = LLM(str(tiny_llama_dir), num_kv_blocks=64)
     target.generate(prompt[:40], SamplingParams(temperature=0, max_tokens=1))  # 2 blocks cached locally
-    reservation = target.engine.reserve_prefix(prompt, hashes, 9)
+    reservation = target.engine.prefix.reserve_prefix(prompt, hashes, 9)
     assert reservation.num_local_blocks == 2 and len(reservation.block_ids) == 9
     for block_id, source_id in zip(reservation.block_ids[2:8], export.block_ids[2:8]):  # 6 of the 7 arrive
-        target.engine.block_buffer(block_id).copy_(source.engine.block_buffer(source_id))
-    target.engine.fill_prefix(reservation, prompt, hashes, range(2, 8))
-    source.engine.release(export)
-    assert target.engine.prompt_hashes(prompt)[1] == 8  # the 9th never arrived: not findable
+        target.engine.prefix.block_buffer(block_id).copy_(source.engine.prefix.block_buffer(source_id))
+    target.engine.prefix.fill_prefix(reservation, prompt, hashes, range(2, 8))
+    source.engine.prefix.release(export)
+    assert target.engine.prefix.prompt_hashes(prompt)[1] == 8  # the 9th never arrived: not findable
     out = target.generate(prompt, GREEDY)[0]
     assert out.num_cached_tokens == 8 * 16 and out.token_ids == reference
     engine = target.engine
@@ -124,10 +124,10 @@ def test_pinned_blocks_that_starve_a_request_raise_instead_of_hanging(tiny_llama
     small = LLM(str(tiny_llama_dir), num_kv_blocks=8)
     prompt = random_prompts(1, [100], seed=8)[0]
     small.generate(prompt, SamplingParams(temperature=0, max_tokens=1))
-    export = small.engine.export_kv(prompt)  # pins 6 of the 8 blocks
+    export = small.engine.prefix.export_kv(prompt)  # pins 6 of the 8 blocks
     with pytest.raises(RuntimeError, match="pinned by exports"):
         small.generate(random_prompts(1, [60], seed=9)[0], GREEDY)
-    small.engine.release(export)
+    small.engine.prefix.release(export)
     assert len(small.generate(random_prompts(1, [60], seed=9)[0], GREEDY)[0].token_ids) == 16
 
 

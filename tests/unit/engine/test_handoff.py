@@ -49,7 +49,7 @@ def prefill_then_decode(prefill: LLMEngine, decode: LLMEngine, prompt: list[int]
     assert reservation is not None and len(reservation.block_ids) == len(handoff.block_ids)
     if transfer_ok:
         for src, dst in list(zip(handoff.block_ids, reservation.block_ids))[reservation.num_local_blocks:]:
-            decode.block_buffer(dst).copy_(prefill.block_buffer(src))
+            decode.prefix.block_buffer(dst).copy_(prefill.prefix.block_buffer(src))
         decode.commit_kv(rid, handoff.num_cached_tokens)
     else:
         decode.recompute_kv(rid)

@@ -263,7 +263,7 @@ def _check_window(seq: Sequence) -> None:
 def test_seams_and_the_serving_instance_refuse_a_hybrid_model(loaded, hybrid_dir):
     eng = engine(loaded)
     with pytest.raises(RuntimeError, match="sliding-window models run in one engine"):
-        eng.export_kv([5] * 40)
+        eng.prefix.export_kv([5] * 40)
     with pytest.raises(RuntimeError, match="window KV is not built"):
         eng.add_request([5] * 8, SamplingParams(max_tokens=2), hold_for_kv=True)
     from services.engine.serving.instance import EngineInstance, ServingConfig

@@ -104,7 +104,7 @@ def test_blocks_lent_and_taken_in_through_staging_arrive_byte_for_byte(tiny_llam
             stream = await lender.seam.add_then_detach(prompt, GREEDY, "p")
             handoff = [item async for item in stream][-1]
             assert isinstance(handoff, Handoff)
-            expected = [lender.llm.block_buffer(b).clone() for b in handoff.block_ids]
+            expected = [lender.llm.prefix.block_buffer(b).clone() for b in handoff.block_ids]
             export = await lender.seam.export_handoff(handoff, "lease-1")
             assert export.is_staged and export.pinned is None  # the pool blocks went back at once
             assert export.handle.regions[0].region_id == lender.staging.region_id
@@ -115,7 +115,7 @@ def test_blocks_lent_and_taken_in_through_staging_arrive_byte_for_byte(tiny_llam
             handle = export.handle
             first_four = KVHandle(handle.lease_id, handle.owner, handle.regions, handle.blocks[:4])
             assert await taker.seam.read(reservation, first_four, range(4)) is None
-            got = [taker.llm.block_buffer(b).clone() for b in reservation.block_ids]
+            got = [taker.llm.prefix.block_buffer(b).clone() for b in reservation.block_ids]
             await taker.seam.commit(reservation)
             assert all(torch.equal(g, e) for g, e in zip(got, expected[:4]))
             lender.seam.release(export)

@@ -33,14 +33,14 @@ class StoreDouble:
     tier, and lends the leading ones it holds; ``meanwhile()`` runs while it "answers"."""
 
     def __init__(self, source: LLMEngine, prompt: list[int]) -> None:
-        self.hashes, _ = source.prompt_hashes(prompt)
-        export = source.export_kv(prompt, self.hashes)
+        self.hashes, _ = source.prefix.prompt_hashes(prompt)
+        export = source.prefix.export_kv(prompt, self.hashes)
         size = source.kv_block_bytes
         self.region = MemoryRegion.allocate(len(export.block_ids) * size, region_id="store-double")
         for i, block_id in enumerate(export.block_ids):
-            self.region.buffer[i * size:(i + 1) * size] = source.block_buffer(block_id).numpy()
+            self.region.buffer[i * size:(i + 1) * size] = source.prefix.block_buffer(block_id).numpy()
         self.data = {h: bytes(self.region.buffer[i * size:(i + 1) * size]) for i, h in enumerate(self.hashes)}
-        source.release(export)
+        source.prefix.release(export)
         self.size = size
         self.transfer = TransferEngine(transports=("shm",))
         self.transfer.register(self.region)
@@ -99,7 +99,7 @@ def _registered_right(target: LLMEngine, store: StoreDouble) -> None:
     for block_hash, data in store.data.items():
         block_id = bm._cached.get(block_hash)
         if block_id is not None:
-            held = target.block_buffer(block_id).view(torch.float32)
+            held = target.prefix.block_buffer(block_id).view(torch.float32)
             expected = torch.frombuffer(bytearray(data), dtype=torch.float32)
             assert torch.allclose(held, expected, atol=1e-4), f"block {block_id} holds another block's KV"
 
@@ -136,14 +136,14 @@ def test_the_local_prefix_is_evicted_while_the_store_answers(tiny_llama_dir, pro
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=16)
     target = llm.engine
     llm.generate(prompt[:68], ONE)                           # 4 blocks cached when the lookup runs
-    assert target.prompt_hashes(prompt)[1] == 4
+    assert target.prefix.prompt_hashes(prompt)[1] == 4
     other = random_prompts(1, [200], seed=22)[0]
 
     async def evict(engine):                                 # 13 blocks for another prompt evict some
         await _generate(engine, other, ONE, "meanwhile")
 
     num_read, out = _pull_then_generate(target, store, prompt, evict)
-    assert target.prompt_hashes(other)[1] >= 1               # the other prompt did take blocks
+    assert target.prefix.prompt_hashes(other)[1] >= 1               # the other prompt did take blocks
     _registered_right(target, store)
     assert num_read == 5                                     # blocks 4..8 read into their own places
     assert out.token_ids == reference

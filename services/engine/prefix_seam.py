@@ -1,0 +1,106 @@
+"""The prefix half of the engine's disaggregation seam: full blocks of KV by hash, between this
+engine's pool and other engines or the KV store. The request half (a prompt's blocks handed over
+with its request: detach, reserve_kv, commit_kv) is the engine's own (engine.py).
+
+    prompt_hashes   a prompt's block hashes and how many lead in the local prefix cache
+    reserve_prefix  blocks for a prompt's first n blocks (local hits pinned), filled from elsewhere,
+    fill_prefix     then made findable; every reserved block unpinned
+    export_kv       the cached full blocks of a prompt, pinned until release
+    import_kv       blocks copied into the pool and its prefix cache
+    block_buffer    one block's bytes, what a transfer reads or writes
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence as Sequence_
+
+import torch
+
+from kvstore.hashing import BlockHash, block_hashes
+from services.common.sampling_params import SamplingParams
+from services.engine.block_manager import BlockManager
+from services.engine.model_runner import ModelRunner
+from services.engine.seams import KVBlock, KVExport, KVReservation, check_seams
+from services.engine.sequence import BlockId, MultiModalInput, RequestId, Sequence
+
+
+class PrefixSeam:
+    def __init__(self, block_manager: BlockManager, runner: ModelRunner, root_for: Callable[[str], BlockHash],
+                 has_window_pool: bool = False) -> None:
+        """``block_manager``: the pool's (a hybrid model's full-attention pool); ``root_for``:
+        the first block's parent hash for a cache salt."""
+        self.block_manager = block_manager
+        self.runner = runner
+        self.root_for = root_for
+        self.has_window_pool = has_window_pool
+
+    def block_buffer(self, block_id: BlockId) -> torch.Tensor:
+        """One block's KV bytes in the pool (contiguous), what a transfer reads or writes."""
+        check_seams(self.has_window_pool)
+        return self.runner.block_view(block_id).view(torch.uint8).view(-1)
+
+    def prompt_hashes(self, token_ids: list[int], mm_inputs: Sequence_[MultiModalInput] = (),
+                      cache_salt: str = "") -> tuple[list[BlockHash], int]:
+        """The hashes of a token sequence's full blocks, exactly as a request would have them,
+        and how many leading ones this engine's prefix cache holds."""
+        seq = Sequence(RequestId("probe"), list(token_ids), SamplingParams(), mm_inputs=tuple(mm_inputs),
+                       root=self.root_for(cache_salt))
+        hashes = self.block_manager.update_hashes(seq)
+        return hashes, len(self.block_manager.cached_prefix(seq.token_ids, hashes))
+
+    def reserve_prefix(self, token_ids: list[int], hashes: list[BlockHash], num_blocks: int) -> KVReservation | None:
+        """Blocks for the first ``num_blocks`` blocks of a prompt whose KV will be read in
+        (e.g. from the KV store): local prefix hits first, pinned so nothing evicts them
+        meanwhile. Give them back with :meth:`fill_prefix`; None: no room now."""
+        check_seams(self.has_window_pool)
+        bm = self.block_manager
+        local = bm.cached_prefix(token_ids, hashes[:num_blocks])
+        bm.pin(local)
+        new = bm.allocate_blocks(num_blocks - len(local))
+        if new is None:
+            bm.unpin(local)
+            return None
+        return KVReservation(local + new, len(local))
+
+    def fill_prefix(self, reservation: KVReservation, token_ids: list[int], hashes: list[BlockHash],
+                    filled: Sequence_[int]) -> None:
+        """Blocks ``filled`` (positions in the prompt, each past the reservation's local hits)
+        now hold their KV: the prefix cache finds them from now on. Every reserved block is
+        unpinned. A block's KV depends only on the tokens its hash chains over, so a filled
+        block is right under its hash even when an earlier one did not arrive."""
+        bs, first = self.block_manager.block_size, reservation.num_local_blocks
+        assert all(first <= i < len(reservation.block_ids) for i in filled), (filled, first)
+        self.block_manager.register([reservation.block_ids[i] for i in filled],
+                                    [(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs])) for i in filled])
+        self.block_manager.unpin(reservation.block_ids)
+        reservation.block_ids = []
+
+    def export_kv(self, token_ids: list[int], hashes: list[BlockHash] | None = None) -> KVExport:
+        """Pin and expose the cached full blocks covering the longest prefix of ``token_ids``
+        (``hashes``: theirs from :meth:`prompt_hashes`; default: unsalted, without images)."""
+        check_seams(self.has_window_pool)
+        bm = self.block_manager
+        bs = bm.block_size
+        hashes = block_hashes(token_ids, bs, self.root_for("")) if hashes is None else hashes
+        ids = bm.cached_prefix(token_ids, hashes)
+        bm.pin(ids)
+        blocks = [KVBlock(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]), self.runner.block_view(block_id))
+                  for i, block_id in enumerate(ids)]
+        return KVExport(blocks, ids)
+
+    def release(self, export: KVExport) -> None:
+        self.block_manager.unpin(export.block_ids)
+        export.block_ids = []
+
+    def import_kv(self, blocks: list[KVBlock]) -> int | None:
+        """Copy blocks into this engine's pool and prefix cache; None if there is no room."""
+        check_seams(self.has_window_pool)
+        slots = self.block_manager.allocate_cached([(b.block_hash, b.token_ids) for b in blocks])
+        if slots is None:
+            return None
+        written = [(b, s) for b, s in zip(blocks, slots) if s is not None]
+        for block, block_id in written:
+            self.runner.write_block(block_id, block.data)
+        self.block_manager.unpin([s for _, s in written])
+        return len(written)
