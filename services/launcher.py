@@ -103,7 +103,10 @@ class Cluster:
         if role == "encoder":
             return self._spawn(name, "services.encoder", ["--model", self.config.model] if self.config.model else [])
         kvstores = self.role_children("kvstore")
-        return self._spawn(name, f"services.{role}", self._engine_args(kvstores, role, index) + ["--instance-id", name])
+        args = self._engine_args(kvstores, role, index) + ["--instance-id", name]
+        if role == "decode" and self.config.device != "cuda" and self.config.decode_nice:
+            args += ["--nice", str(self.config.decode_nice)]
+        return self._spawn(name, f"services.{role}", args)
 
     def _cpu_threads(self, role: str, index: int) -> str:
         """An engine process's --cpu-threads: with "split", the cluster's first prefills and

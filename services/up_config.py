@@ -41,12 +41,16 @@ class UpConfig:
     """"cpu", "cuda" or "auto" for every engine."""
     dtype: str = "auto"
     """Every engine's dtype: "float32", "bfloat16" or "auto" (see the engines' --dtype)."""
-    cpu_threads: str = "split"
-    """CPU engines' compute threads: "split" (each prefill and decode process started with the
-    cluster gets its own share of this machine's usable CPUs, its threads bound there, when
-    there are at least as many CPUs as those processes; otherwise, and for processes scaled out
-    later, "off"), "auto" (every engine binds to all of them), or "off" (unbound threads that
-    the OS shares out). See services/engine/threads.py."""
+    cpu_threads: str = "off"
+    """CPU engines' compute threads: "off" (unbound: the OS shares this machine's CPUs among them),
+    "split" (each prefill and decode process started with the cluster gets its own equal share
+    of the CPUs, its threads bound there, when there are at least as many CPUs as those
+    processes; otherwise, and for processes scaled out later, off), or "auto" (every engine
+    binds to all of them). See services/engine/threads.py and its measurements."""
+    decode_nice: int = 10
+    """Priority (nice, 0-19) of CPU decode engines' compute threads: on CPUs shared with prefill
+    they yield to it, whose steps set time to first token, while a decode step has slack in its
+    inter-token latency. 0: equal priority."""
     startup_timeout_s: float = 600.0
     """How long the instances get to load the model and report healthy."""
     stop_timeout_s: float = 30.0
@@ -106,6 +110,7 @@ class UpConfig:
                 parse_cpus(self.cpu_threads)
             except InvalidRequestError as exc:
                 check(False, "cpu_threads", f"{exc} (or split)")
+        check(0 <= self.decode_nice <= 19, "decode_nice", "must be in 0..19")
         check(self.prefills >= 1, "prefills", "needs at least one prefill instance")
         check(self.decodes >= 1, "decodes", "needs at least one decode instance")
         check(self.kv_transport in TRANSPORT_CHOICES, "kv_transport", f"must be one of {', '.join(TRANSPORT_CHOICES)}")

@@ -41,6 +41,9 @@ class EngineConfig:
     bound to its CPU), "off" (torch's default, unbound) or a CPU list such as "0-3,8" (threads.py).
     Off for the library: binding would pin the caller's own thread, and every process it starts
     later would inherit that CPU; the engine services default to auto (their own threads)."""
+    nice: int = 0
+    """Unix priority (nice, 0-19) of the thread that runs the model and of its compute threads;
+    the server's threads keep theirs. On CPUs an engine shares, the higher yields (threads.py)."""
     batch_invariant: bool = False
     """Every step's arithmetic for a request independent of the batch around it and of how its
     prompt was chunked: the same request gives bit-identical logits alone or in any batch, on
@@ -63,6 +66,7 @@ class EngineConfig:
               "must be auto, cpu or cuda[:N]")
         check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
               "must be auto, float32, bfloat16 or float16")
+        check(0 <= self.nice <= 19, "nice", "must be in 0..19 (a higher value yields the CPU to others)")
         try:
             parse_cpus(self.cpu_threads)
         except InvalidRequestError as exc:

@@ -103,7 +103,7 @@ class LLMEngine:
         kv_buffer = kv_allocator(num_blocks * self.kv_block_bytes) if kv_allocator else None
         self.runner = ModelRunner(cfg, loaded.weights, num_blocks, bs, device, dtype, eos, kv_buffer,
                                   batch_invariant=config.batch_invariant,
-                                  cpu_threads=parse_cpus(config.cpu_threads),
+                                  cpu_threads=parse_cpus(config.cpu_threads), nice=config.nice,
                                   num_window_blocks=num_window and len(self.kv.managers[1].blocks))
         self.prefix = PrefixSeam(self.block_manager, self.runner, self.root_for, cfg.has_window_pool)
         """Full blocks by hash between this pool and other engines or the KV store."""

@@ -112,10 +112,11 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], num_blocks: int,
                  block_size: int, device: torch.device, dtype: torch.dtype,
                  eos_token_ids: tuple[int, ...] = (), kv_buffer=None, batch_invariant: bool = False,
-                 num_window_blocks: int = 0, cpu_threads: list[int] | None = None) -> None:
+                 num_window_blocks: int = 0, cpu_threads: list[int] | None = None, nice: int = 0) -> None:
         """``num_blocks``: group 0's pool; ``num_window_blocks``: a hybrid model's sliding-window
         pool (its NULL block included); ``cpu_threads``: the CPUs a CPU engine's compute threads
-        are bound to (threads.py), None leaves torch's threads as they are."""
+        are bound to (threads.py), None leaves torch's threads as they are; ``nice``: the
+        priority of the threads that run the model (threads.py)."""
         self.cfg = cfg
         self.block_size = block_size
         self.device, self.dtype = device, dtype
@@ -160,9 +161,10 @@ class ModelRunner:
               f"runs {self.attention_backend} attention on {device}/{str(dtype).removeprefix('torch.')}")
         self.batch_invariant = batch_invariant
         self.threads = None
-        if cpu_threads is not None and device.type == "cpu":
-            kernels = kernel_select.cpu.kernels()
-            self.threads = ThreadPlacement(cpu_threads, kernels.bind_threads if kernels else None)
+        cpu_threads = cpu_threads if device.type == "cpu" else None
+        if cpu_threads is not None or nice:
+            kernels = kernel_select.cpu.kernels() if cpu_threads is not None else None
+            self.threads = ThreadPlacement(cpu_threads, kernels.bind_threads if kernels else None, nice)
         self.sampler = Sampler()
         self._requests: dict[RequestId, RequestState] = {}
         self._generators: dict[RequestId, torch.Generator] = {}

@@ -1,11 +1,13 @@
-"""Where a CPU engine computes: one OpenMP thread per CPU it may use, each bound to its CPU.
+"""Where and at what priority a CPU engine computes: its team of OpenMP threads, one per CPU it
+may use, each bound to its CPU, and the team's nice value.
 
 An engine's products, element-wise ops and kernels run on the OpenMP team of the thread that
-runs the model (torch, MKL and the C kernels share libgomp's). Unbound, those threads migrate
-between cores and, when a core is busy with something else, every parallel region waits at its
-barrier for the thread that lost its core: ops of microseconds then take milliseconds (measured:
-SiLU over a decode step's rows at ~3.7 ms a call while another process ran). Bound, each thread
-keeps its core's caches, and the OS does not pile two of them onto one core.
+runs the model (torch, MKL and the C kernels share libgomp's). When a core is busy with another
+process, every parallel region waits at its barrier for the thread that lost its core: ops of
+microseconds then take milliseconds (measured: SiLU over a decode step's rows at ~3.7 ms a call
+while another process ran). Binding each thread to a CPU of its own (as vLLM's CPU build does)
+is for CPUs an engine has to itself (a pod's cpuset); where engines share CPUs, giving the one
+that may wait a lower priority is what pays (below).
 
 ``cpu_threads`` (EngineConfig, ``--cpu-threads``):
 
@@ -15,10 +17,18 @@ keeps its core's caches, and the OS does not pile two of them onto one core.
     0-3,8   those CPUs (a subset of the mask), one thread each, bound
 
 Binding is per thread that runs the model (the engine thread when serving, the caller's thread
-offline), done on its first step. Without the C kernels (no compiler) the thread count is still
-set, unbound. Processes that share CPUs should not each bind to all of them: two threads bound
-to one core cannot move to an idle one, so ``epd up`` gives each CPU engine its own CPUs when
-there are enough (launcher.py).
+offline), done on its first step, with the thread's priority (``nice``: Linux keeps one per
+thread, and a thread takes its creator's, so the team libgomp then makes for it has it too).
+Without the C kernels (no compiler) the thread count is still set, unbound.
+
+Measured on the 2-core machine (quiet): bound or not, the offline benchmark's speed is the same
+(54.2 and 54.2 tok/s bound, 52.7 and 56.2 unbound, alternated); while other processes load the
+cores, bound threads cannot move off a busy core and lose (16.4 vs 24.8 tok/s). Under the serving
+load of benchmarks/serving.py (epd up, 1 prefill + 1 decode, 8 concurrent chats), a core each
+(``epd up --cpu-threads split``) gave 42.2 tok/s and time to first token p99 5.2 s; sharing both
+cores unbound 39.5 tok/s and 5.5 s; sharing with the decode engine's threads at nice 10 (epd up's
+default, ``--decode-nice``) 43.6-47.4 tok/s and 3.6-4.4 s, inter-token latency unchanged
+(~150 ms): when both compete, prefill (whose steps set time to first token) goes first.
 """
 
 from __future__ import annotations
@@ -78,10 +88,12 @@ def format_cpus(cpus: list[int]) -> str:
 
 
 class ThreadPlacement:
-    """Binds the model-running thread's team to ``cpus`` on that thread's first step."""
+    """On the first step of each thread that runs the model: its priority (``nice``), and its
+    team's size and CPUs (``cpus``; None leaves torch's threads as they are)."""
 
-    def __init__(self, cpus: list[int], bind: Callable[[list[int]], int] | None) -> None:
+    def __init__(self, cpus: list[int] | None, bind: Callable[[list[int]], int] | None, nice: int = 0) -> None:
         self.cpus = cpus
+        self.nice = nice
         self._bind = bind
         self._threads: set[int] = set()
 
@@ -91,6 +103,13 @@ class ThreadPlacement:
         if ident in self._threads:
             return
         self._threads.add(ident)
+        if self.nice:
+            # Linux keeps a nice value per thread, and threads take their creator's: set before
+            # this thread's first parallel region, it holds for the team libgomp makes for it.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            logger.info("compute threads: nice %d", self.nice)
+        if self.cpus is None:
+            return
         import torch  # here: the launcher reads CPU lists with this module and never needs torch
 
         torch.set_num_threads(len(self.cpus))

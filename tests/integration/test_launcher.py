@@ -163,34 +163,38 @@ def test_epd_up_restarts_a_killed_child_and_only_its_own_signal_stops_it(tiny_ch
     assert not [f for f in os.listdir("/dev/shm") if any(f"-{pid}-" in f for pid in pids + back)]
 
 
-def thread_cpus(pid: int) -> list[set[int]]:
-    """The CPUs each thread of a process may run on (the kernel's record)."""
-    masks = []
-    for status in Path(f"/proc/{pid}/task").glob("*/status"):
-        line = next(ln for ln in status.read_text().splitlines() if ln.startswith("Cpus_allowed_list"))
-        masks.append(set(cpu_list(line.split()[1])))
-    return masks
+def threads_of(pid: int) -> list[tuple[set[int], int]]:
+    """Each thread of a process: the CPUs it may run on and its nice value (the kernel's record)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        line = next(ln for ln in (task / "status").read_text().splitlines() if ln.startswith("Cpus_allowed_list"))
+        nice = int((task / "stat").read_text().rsplit(")", 1)[1].split()[16])
+        found.append((set(cpu_list(line.split()[1])), nice))
+    return found
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a CPU each needs two CPUs")
-def test_epd_up_gives_its_prefill_and_its_decode_a_cpu_each(tiny_chat_model_dir):
-    """The default on a CPU machine: the engine thread and its team of each engine bound to its
-    own share of the CPUs (a core each here), the servers' other threads left free."""
+def test_epd_up_places_its_engines_threads(tiny_chat_model_dir):
+    """--cpu-threads split: the engine thread and its team of each engine bound to its own share
+    of the CPUs (a core each here); the decode's at a lower priority (--decode-nice, 10 by
+    default); the servers' other threads left free, at normal priority."""
     cpus = sorted(os.sched_getaffinity(0))
     port = free_port("127.0.0.1")
-    process, pids = start_up(tiny_chat_model_dir, port, ("--encoders", "0", "--prefills", "1", "--decodes", "1"))
+    process, pids = start_up(tiny_chat_model_dir, port, ("--encoders", "0", "--prefills", "1", "--decodes", "1",
+                                                         "--cpu-threads", "split"))
     try:
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                            json={"model": "tiny-chat0", "prompt": "Hello", "max_tokens": 4})
-        assert reply.status_code == 200  # both engines have stepped: bound on their first step
+        assert reply.status_code == 200  # both engines have stepped: placed on their first step
         roles = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[2].decode() for pid in pids}
         share = len(cpus) // 2
         for pid, role in roles.items():
-            masks = thread_cpus(pid)
+            found = threads_of(pid)
             if role in ("services.prefill", "services.decode"):
                 first = 0 if role == "services.prefill" else share
-                assert set(cpus[first:first + share]) in masks, (role, masks)
-            assert set(cpus) in masks, (role, "the other threads are free")
+                nice = 10 if role == "services.decode" else 0
+                assert (set(cpus[first:first + share]), nice) in found, (role, found)
+            assert (set(cpus), 0) in found, (role, "the other threads are free", found)
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)

@@ -1,5 +1,5 @@
 """Thread placement: CPU lists read and written, the model-running thread's team really bound
-(the OS's own record of each thread's CPUs), and epd up's split of CPUs between engines."""
+and niced (the OS's own record of each thread), and epd up's split of CPUs between engines."""
 
 from __future__ import annotations
 
@@ -32,9 +32,13 @@ def test_cpu_lists_are_read_checked_and_written(monkeypatch):
     assert threads.format_cpus([3]) == "3"
 
 
-def test_a_bad_cpu_list_is_a_config_error_naming_the_field():
+def test_a_bad_cpu_list_or_nice_is_a_config_error_naming_the_field():
     with pytest.raises(ConfigError, match="cpu_threads"):
         LLM(None, cpu_threads="99999")
+    with pytest.raises(ConfigError, match="nice"):
+        LLM(None, nice=-1)
+    with pytest.raises(ConfigError, match="decode_nice"):
+        UpConfig(decode_nice=20)
 
 
 def threads_cpus(pid: int) -> dict[int, set[int]]:
@@ -47,22 +51,25 @@ def threads_cpus(pid: int) -> dict[int, set[int]]:
     return out
 
 
-def test_the_thread_that_runs_the_model_and_its_team_are_bound_to_the_cpus_asked(tmp_path, kernels):
+def test_the_thread_that_runs_the_model_and_its_team_are_bound_and_niced_as_asked(tmp_path, kernels):
     cpus = sorted(os.sched_getaffinity(0))
     wanted = cpus[-1:]  # one CPU: the team is the thread itself
-    llm = LLM(str(make_tiny_model_dir(tmp_path / "m")), num_kv_blocks=64, cpu_threads=threads.format_cpus(wanted))
+    llm = LLM(str(make_tiny_model_dir(tmp_path / "m")), num_kv_blocks=64, cpu_threads=threads.format_cpus(wanted),
+              nice=7)
     seen = {}
 
     def run() -> None:
         # A thread of its own, as the engine thread of a server: binding follows the thread that steps.
         llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=3))
         seen["cpus"] = os.sched_getaffinity(0)  # this thread's mask (Linux: pid 0 is the caller)
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     worker = threading.Thread(target=run)
     worker.start()
     worker.join()
-    assert seen["cpus"] == set(wanted)
+    assert seen == {"cpus": set(wanted), "nice": 7}
     assert os.sched_getaffinity(0) == set(cpus), "the caller's thread is left alone"
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0
 
 
 def test_the_library_leaves_every_thread_free_by_default_and_services_bind(tmp_path):
@@ -83,11 +90,14 @@ def test_the_library_leaves_every_thread_free_by_default_and_services_bind(tmp_p
     # More engines than CPUs: all of them share, unbound.
     ([0, 1], 1, 2, {("prefill", 0): "off", ("decode", 0): "off", ("decode", 1): "off"}),
 ])
-def test_epd_up_splits_the_cpus_between_its_engines(monkeypatch, cpus, prefills, decodes, expected):
+def test_epd_up_splits_the_cpus_between_its_engines_when_asked(monkeypatch, cpus, prefills, decodes, expected):
     monkeypatch.setattr("services.launcher.usable_cpus", lambda: cpus)
-    cluster = Cluster(UpConfig(device="cpu", prefills=prefills, decodes=decodes))
+    cluster = Cluster(UpConfig(device="cpu", prefills=prefills, decodes=decodes, cpu_threads="split"))
     assert {key: cluster._cpu_threads(*key) for key in expected} == expected
     # An instance scaled out later shares, unbound; a GPU cluster's engines are not split.
     assert cluster._cpu_threads("decode", decodes) == "off"
-    assert Cluster(UpConfig(device="cuda", prefills=prefills, decodes=decodes))._cpu_threads("prefill", 0) == "off"
+    assert Cluster(UpConfig(device="cuda", prefills=prefills, decodes=decodes, cpu_threads="split")
+                   )._cpu_threads("prefill", 0) == "off"
     assert Cluster(UpConfig(device="cpu", cpu_threads="auto"))._cpu_threads("prefill", 0) == "auto"
+    # The default shares the CPUs unbound (measured faster here, decode niced; see threads.py).
+    assert Cluster(UpConfig(device="cpu", prefills=prefills, decodes=decodes))._cpu_threads("prefill", 0) == "off"
