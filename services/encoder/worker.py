@@ -3,12 +3,17 @@
 All images of one call are validated first (a bad one fails the call before any compute), then
 deduplicated by content hash and encoded in one batched forward. Embeddings come back as float32
 on the CPU whatever the compute device and dtype, ready for :func:`to_bytes` and the wire.
+
+The images of a call are decoded, preprocessed and hashed side by side on a small thread pool
+(Pillow, numpy and hashlib release the GIL): on an accelerator that per-image CPU work, not the
+forward, is what a batched call waits on (see benchmarks/encoder.py).
 """
 
 from __future__ import annotations
 
 import math
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
@@ -66,6 +71,10 @@ class EncoderWorker:
         # same bits on every machine; only then cast and moved.
         model = model if model is not None else VisionTower(config)  # issue 20
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        # As many as torch's threads: the cores this process was given for the forward, which
+        # waits for these anyway. Threads are started on first use, so a batch-1 call starts none.
+        self._prepare_pool = ThreadPoolExecutor(max(1, torch.get_num_threads()),
+                                                thread_name_prefix="encoder-prepare")
 
     @property
     def num_patches_per_image(self) -> int:
@@ -78,17 +87,13 @@ class EncoderWorker:
 
         ``is_cached(image_hash)``: True for an image whose rows the caller holds (an embedding
         cache); the forward pass skips it and its ImageEmbedding has no embeddings."""
-        pixels, hashes = [], []
-        for i, uri in enumerate(data_uris):
-            try:
-                image = decode_data_uri(uri, self.max_image_bytes, self.max_image_pixels)
-            except InvalidRequestError as exc:
-                raise InvalidRequestError(f"image {i}: {exc}") from exc
-            image_pixels, image_hash = self.model.prepare(image)  # issue 20: the model's preprocessing
-            pixels.append(image_pixels)
-            hashes.append(image_hash)
-        if not pixels:
+        if not data_uris:
             return []
+        if len(data_uris) == 1:
+            prepared = [self._prepare(0, data_uris[0])]
+        else:  # map yields in order: the lowest-numbered bad image is the one reported
+            prepared = list(self._prepare_pool.map(self._prepare, range(len(data_uris)), data_uris))
+        pixels, hashes = [p for p, _ in prepared], [h for _, h in prepared]
         # The same picture twice in one request (a common retry/quote pattern) is encoded once.
         unique = [h for h in dict.fromkeys(hashes) if is_cached is None or not is_cached(h)]
         first = {h: hashes.index(h) for h in unique}
@@ -100,6 +105,14 @@ class EncoderWorker:
             rows = dict(zip(unique, (row.clone() for row in self._forward(batch))))
         n = self.num_patches_per_image
         return [ImageEmbedding(image_hash=h, embeddings=rows.get(h), num_patches=n) for h in hashes]
+
+    def _prepare(self, index: int, uri: str) -> tuple[torch.Tensor, bytes]:
+        """One image's pixels (the model's preprocessing) and hash; InvalidRequestError naming it."""
+        try:
+            image = decode_data_uri(uri, self.max_image_bytes, self.max_image_pixels)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"image {index}: {exc}") from exc
+        return self.model.prepare(image)  # issue 20: the model's preprocessing
 
     @torch.inference_mode()
     def _forward(self, batch: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 HEADLINE = ("transfer_vs_encode", "batched_vs_single", "encode_ms_per_image", "transfer_ms_per_image",
             "inline_ms_per_image", "cache_hit_ms_per_image", "cache_miss_ms_per_image", "images_per_s_batch1",
-            "images_per_s_batched")
+            "images_per_s_batched", "batched_vs_single_home", "images_per_s_batch1_home",
+            "images_per_s_batched_home")
 
 
 # The shared ServeGen trace's format; the test brings its own lines (a clone has no ../shared).
@@ -34,3 +35,4 @@ def test_the_quick_run_ends_with_one_json_line_of_positive_figures(tmp_path):
         assert isinstance(value, (int, float)) and not isinstance(value, bool), (key, value)
         assert math.isfinite(value) and value > 0, (key, value)
     assert figures["trace_images"] > 0 and "VisionTower" in figures["tower"]
+    assert figures["batch_tower"].startswith("LLaVA") and figures["threads"] >= 1

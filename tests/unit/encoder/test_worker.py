@@ -38,10 +38,12 @@ def test_default_worker_gives_196_fp32_cpu_rows_per_image(worker):
 
 
 def test_a_batch_equals_each_image_alone():
+    # More images than preparing threads (as many as torch uses), so every thread prepares some.
+    uris = URIS + [image_uri(noise_image(40 + i, 30, seed=10 + i)) for i in range(3)]
     worker = EncoderWorker(SMALL, device="cpu")
-    batch = worker.encode(URIS)
-    assert len(batch) == 3 and len({e.image_hash for e in batch}) == 3
-    for uri, emb in zip(URIS, batch):
+    batch = worker.encode(uris)
+    assert len(batch) == 6 and len({e.image_hash for e in batch}) == 6
+    for uri, emb in zip(uris, batch):
         [alone] = worker.encode([uri])
         assert alone.image_hash == emb.image_hash
         torch.testing.assert_close(alone.embeddings, emb.embeddings, atol=1e-5, rtol=1e-5)
@@ -78,6 +80,14 @@ def test_empty_call_and_bad_image_named_by_position():
     assert worker.encode([]) == []
     with pytest.raises(InvalidRequestError, match="image 1: remote image URLs are not fetched"):
         worker.encode([URIS[0], "https://example.com/a.png"])
+
+
+def test_of_several_bad_images_the_first_is_named():
+    # The images of a call are prepared side by side; the error is still the first by position.
+    worker = EncoderWorker(SMALL, device="cpu")
+    uris = [URIS[0], "data:image/png;base64,AAAA", "https://example.com/a.png", URIS[1]]
+    with pytest.raises(InvalidRequestError, match="image 1: image data is not a PNG"):
+        worker.encode(uris)
 
 
 def test_bf16_compute_still_returns_fp32_close_to_fp32():
