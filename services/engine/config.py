@@ -38,9 +38,10 @@ class EngineConfig:
     """"float32", "bfloat16", "float16" or "auto" (fp32 on CPU, bf16 on CUDA)."""
     cpu_threads: str = "off"
     """A CPU engine's compute threads: "auto" (one per CPU of this process's affinity mask, each
-    bound to its CPU), "off" (torch's default, unbound) or a CPU list such as "0-3,8" (threads.py).
-    Off for the library: binding would pin the caller's own thread, and every process it starts
-    later would inherit that CPU; the engine services default to auto (their own threads)."""
+    bound to its CPU: for CPUs the engine has to itself, such as a pod's dedicated cpuset), "off"
+    (torch's default, unbound: measured no slower on this project's machines, and faster where
+    other processes share the cores) or a CPU list such as "0-3,8" (threads.py). In the library
+    binding also pins the caller's own thread, and every process it starts later."""
     nice: int = 0
     """Unix priority (nice, 0-19) of the thread that runs the model and of its compute threads;
     the server's threads keep theirs. On CPUs an engine shares, the higher yields (threads.py)."""

@@ -46,10 +46,6 @@ class ServingConfig(EngineConfig, ServerOptions):
     """Settings every engine service (prefill, decode) has: the engine's, the server's, the
     transfer engine's. Each service subclasses it with its own default ports."""
 
-    cpu_threads: str = "auto"
-    """A CPU engine's compute threads: auto (one per CPU this process may use, each bound to its
-    CPU: the engine thread and its team, not the server's threads), off (unbound), or a CPU list
-    such as 0-3,8 (services/engine/threads.py). epd up gives each engine its own CPUs."""
     instance_id: str = ""
     """Name in load reports and logs; empty: the role and a random suffix."""
     transfer_port: int = 0

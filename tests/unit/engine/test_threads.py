@@ -72,14 +72,14 @@ def test_the_thread_that_runs_the_model_and_its_team_are_bound_and_niced_as_aske
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0
 
 
-def test_the_library_leaves_every_thread_free_by_default_and_services_bind(tmp_path):
-    """Binding in LLM would pin the caller's thread, and every process it starts later would
-    inherit the CPU: off by default there; the engine services bind their own engine thread."""
+def test_threads_are_left_free_by_default(tmp_path):
+    """Binding is asked for (--cpu-threads auto): in LLM it would pin the caller's thread, and
+    every process it starts later would inherit the CPU; and it measured no faster here."""
     cpus = set(os.sched_getaffinity(0))
     llm = LLM(str(make_tiny_model_dir(tmp_path / "m")), num_kv_blocks=64)
     assert llm.engine.runner.threads is None
     llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=3))
-    assert ServingConfig().cpu_threads == "auto"
+    assert ServingConfig().cpu_threads == "off"
     assert all(mask == cpus for mask in threads_cpus(os.getpid()).values())
 
 
