@@ -61,6 +61,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.serving_load import StreamError, chat_events  # noqa: E402
 from services.launcher import Cluster, UpConfig, free_port  # noqa: E402
 from services.pb import common_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, prefill_pb2_grpc  # noqa: E402
 
@@ -115,18 +116,12 @@ async def one(client: httpx.AsyncClient, url: str, body: dict) -> Outcome:
     out = Outcome()
     finished = False
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                return Outcome(error=f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    return Outcome(out.token_ids, f"error event: {event['error'].get('message')}")
-                for choice in event.get("choices", ()):
-                    out.token_ids += choice.get("token_ids") or []
-                    finished = finished or bool(choice.get("finish_reason"))
+        async for event in chat_events(client, url, body):
+            for choice in event.get("choices", ()):
+                out.token_ids += choice.get("token_ids") or []
+                finished = finished or bool(choice.get("finish_reason"))
+    except StreamError as exc:
+        return Outcome(out.token_ids, str(exc))
     except httpx.HTTPError as exc:
         return Outcome(out.token_ids, f"{type(exc).__name__}: {exc}")
     if not finished:

@@ -10,6 +10,7 @@ import random
 import re
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +68,26 @@ def chat_body(prompt: str, output_tokens: int) -> dict:
             "min_tokens": output_tokens, "ignore_eos": True}
 
 
+class StreamError(Exception):
+    """A streamed chat request that the server answered with an error (status or event)."""
+
+
+async def chat_events(client: httpx.AsyncClient, url: str, body: dict) -> AsyncIterator[dict]:
+    """The JSON events of one streamed chat completion (benchmarks/serving.py, chaos.py);
+    StreamError for a non-200 answer or an error event, httpx.HTTPError / ValueError as they come."""
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise StreamError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event["error"]
+                raise StreamError(f"error event: {error.get('message', error) if isinstance(error, dict) else error}")
+            yield event
+
+
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Sample:
     """aiperf's definitions: TTFT to the first chunk with content; ITL (end of the stream - that
     chunk) / (output tokens - 1), the same whether a server sends one token per chunk or several."""
@@ -74,19 +95,13 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Sample
     first = None
     usage: dict = {}
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                return Sample(error=f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    return Sample(error=f"error event: {event['error']}")
-                if first is None and any(c.get("delta", {}).get("content") for c in event.get("choices", ())):
-                    first = time.perf_counter()
-                usage = event.get("usage") or usage
+        async for event in chat_events(client, url, body):
+            if first is None and any(c.get("delta", {}).get("content") for c in event.get("choices", ())):
+                first = time.perf_counter()
+            usage = event.get("usage") or usage
         end = time.perf_counter()
+    except StreamError as exc:
+        return Sample(error=str(exc))
     except (httpx.HTTPError, ValueError) as exc:   # ValueError: an event that is not JSON
         return Sample(error=f"{type(exc).__name__}: {exc}")
     if first is None or not usage:
