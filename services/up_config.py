@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,18 +141,27 @@ class UpConfig:
         return str(root / f"kvstore-{node}")
 
 
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
 def free_port(host: str) -> int:
     """A port that is free now, from below the kernel's ephemeral range: a child binds it only
     after loading its model, and meanwhile sockets bound to port 0 (data servers, clients) must
-    not take it."""
+    not take it. A process never gets the same port twice: a child that has not bound its port
+    yet leaves it free, and a second draw of it would start two children on one port."""
     low = _ephemeral_low()
-    for _ in range(200):
-        port = random.randrange(max(1024, low - 12000), low)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
+    with _handed_out_lock:
+        for _ in range(200):
+            port = random.randrange(max(1024, low - 12000), low)
+            if port in _handed_out:
                 continue
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
             return port
     raise RuntimeError(f"no free port below {low} on {host}")
 

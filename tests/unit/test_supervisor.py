@@ -25,6 +25,14 @@ def http_child(name: str) -> Child:
                  Probe(http_url=f"http://127.0.0.1:{port}/"))
 
 
+def test_free_port_never_hands_out_a_port_twice_in_one_process():
+    """Children bind their ports only after loading a model, so until then a port looks free; two
+    draws of it started two children on one port (a CI failure: prefill's gRPC port was decode's
+    metrics port)."""
+    ports = [free_port("127.0.0.1") for _ in range(1500)]
+    assert len(set(ports)) == len(ports)
+
+
 def environ_of(pid: int) -> dict[str, str]:
     entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(e.decode().split("=", 1) for e in entries if b"=" in e)
