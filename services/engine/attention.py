@@ -37,6 +37,9 @@ block, or another sequence's block by now: the window pool frees what no query s
 C kernels start each query's keys at its window and never read them; the Triton kernel (whose
 key tiles start at a multiple of 64) and the torch path read some and mask them to -inf, where
 any finite KV adds exactly zero, so results are the same bits as with the blocks still there.
+A bounded replay (kv_groups.PrefixHit) is the one reader of such entries: its first queries'
+windows reach before the replay start, into the NULL block; what they compute there is wrong
+by design and rebuilt exactly before anything is kept (ModelConfig.replay_tokens).
 """
 
 from __future__ import annotations
@@ -168,10 +171,15 @@ class AttentionMetadata:
 
 def build_metadata(chunks: list[tuple[int, int, BlockTable | Sequence[int]]], block_size: int,
                    num_layers: int, device: torch.device, kernels: CpuKernels | TritonKernels | None = None,
-                   batch_invariant: bool = False) -> AttentionMetadata:
+                   batch_invariant: bool = False, kept_until: Sequence[int] = (),
+                   discard_block: int = -1) -> AttentionMetadata:
     """``chunks``: (start_position, num_new_tokens, block table) per sequence, in batch order.
     With ``kernels`` (the CPU's or the Triton ones), single-token decodes go to them as one
     :class:`DecodeBatch` and continued chunks as one :class:`PrefillBatch`; fresh prompts stay spans.
+
+    ``kept_until`` (per chunk, where given): positions before it keep the KV their blocks hold
+    (a bounded replay's full-attention layers); their new K/V go to ``discard_block``, a block
+    nothing reads, and attention reads the kept KV.
 
     ``batch_invariant`` (the CPU's kernels): every chunk, fresh prompts and single-token decodes
     included, goes to the prefill kernel, which computes each query alone over its context's
@@ -184,10 +192,11 @@ def build_metadata(chunks: list[tuple[int, int, BlockTable | Sequence[int]]], bl
     dec_tables: list[tuple[BlockTable, int]] = []
     dec_lengths: list[int] = []
     token_start = 0
-    for start, n, table in chunks:
+    for i, (start, n, table) in enumerate(chunks):
         table = table if isinstance(table, BlockTable) else BlockTable(table)
         ids = table.ids
-        slot_rows.extend(ids[p // block_size] * stride * block_size + p % block_size
+        kept = kept_until[i] if kept_until else 0
+        slot_rows.extend((ids[p // block_size] if p >= kept else discard_block) * stride * block_size + p % block_size
                          for p in range(start, start + n))
         num_ctx_blocks = -(-(start + n) // block_size)
         if batch_invariant:

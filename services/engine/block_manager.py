@@ -320,8 +320,13 @@ class SlidingWindowBlockManager(BlockManager):
         bs = self.block_size
         hashes = self.update_hashes(seq)
         table = seq.table(self.group)
+        # A bounded replay's first blocks hold inexact KV: a query there missed the keys before
+        # the replay start, and passed that on. From replay_until - W + 1 on it is exact, and a
+        # block with any exact position is safe to find: a window at a block boundary that
+        # reads its inexact positions also reads the block before it, never registered.
+        exact_from = seq.replay_until - self.window + 1
         for i in range(min(seq.num_computed_tokens // bs, len(hashes)) - 1, -1, -1):
-            if table[i] == NULL_BLOCK:
+            if table[i] == NULL_BLOCK or (i + 1) * bs <= exact_from:
                 break
             block = self.blocks[table[i]]
             if block.block_hash is None:

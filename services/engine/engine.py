@@ -91,7 +91,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, bs, self.root, config.enable_prefix_caching)
         """The full-attention pool's blocks (every layer's, for a plain model): what the seams move."""
         self.kv = KVGroups([self.block_manager] + ([SlidingWindowBlockManager(
-            num_window, bs, self.root, cfg.sliding_window, config.enable_prefix_caching)] if num_window else []))
+            num_window, bs, self.root, cfg.sliding_window, config.enable_prefix_caching)] if num_window else []),
+            cfg.replay_tokens)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, eos, config.step_time_budget_s,
                                    speculative=config.speculative)

@@ -17,17 +17,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.engine.block_manager import BlockManager, SlidingWindowBlockManager
+from services.engine.block_manager import NULL_BLOCK, BlockManager, SlidingWindowBlockManager
 from services.engine.sequence import BlockId, Sequence
 
 
 @dataclass(frozen=True)
 class PrefixHit:
     """A waiting sequence's usable prefix-cache hit: its first ``num_tokens`` tokens' KV is
-    there in every group; ``blocks`` is the table each group starts with."""
+    there in every group; ``blocks`` is the table each group starts with.
+
+    A bounded replay (``replay_until`` > 0): the full-attention group's blocks cover
+    [0, replay_until) but the sliding windows ending there are gone, so the sequence restarts
+    at ``num_tokens`` = replay_until - ModelConfig.replay_tokens (rounded down to a block),
+    recomputing those positions only to rebuild the windows' KV exactly."""
 
     num_tokens: int
     blocks: tuple[list[BlockId], ...]
+    replay_until: int = 0
 
 
 def num_window_blocks(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
@@ -47,10 +53,12 @@ def num_window_blocks(window: int, block_size: int, max_num_seqs: int, max_num_b
 
 
 class KVGroups:
-    def __init__(self, managers: list[BlockManager]) -> None:
+    def __init__(self, managers: list[BlockManager], replay_tokens: int = 0) -> None:
+        """``replay_tokens``: ModelConfig.replay_tokens, 0 for no bounded replay."""
         assert [m.group for m in managers] == list(range(len(managers))), "one manager per group, in order"
         assert 1 <= len(managers) <= 2 and not isinstance(managers[0], SlidingWindowBlockManager)
         self.managers = managers
+        self.replay_tokens = replay_tokens
         self.block_size = managers[0].block_size
         self._windows = [m for m in managers if isinstance(m, SlidingWindowBlockManager)]
 
@@ -62,13 +70,20 @@ class KVGroups:
     def get_computed_blocks(self, seq: Sequence) -> PrefixHit:
         """The longest block-aligned prefix L usable in every group: the full group holds blocks
         [0, L) and the window group those the query at L sees, [L - W + 1, L). At least one
-        token is left to compute (BlockManager.get_computed_blocks)."""
+        token is left to compute (BlockManager.get_computed_blocks).
+
+        Where the full group holds more, up to L1, than any window allows, a bounded replay from
+        L1 - replay_tokens skips more when it starts later than L (the SWA hit rule)."""
         full_hits = self.full.get_computed_blocks(seq)
         if not self._windows:
             return PrefixHit(len(full_hits) * self.block_size, (full_hits,))
+        bs = self.block_size
         window_table = self._windows[0].window_hits(seq, len(full_hits))
         num_blocks = len(window_table)
-        return PrefixHit(num_blocks * self.block_size, (full_hits[:num_blocks], window_table))
+        replay_from = (len(full_hits) * bs - self.replay_tokens) // bs
+        if self.replay_tokens and replay_from > num_blocks:
+            return PrefixHit(replay_from * bs, (full_hits, [NULL_BLOCK] * replay_from), len(full_hits) * bs)
+        return PrefixHit(num_blocks * bs, (full_hits[:num_blocks], window_table))
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
                        hit: PrefixHit | None = None) -> list[list[BlockId]] | None:
@@ -79,9 +94,12 @@ class KVGroups:
         if len(self.managers) == 1:
             new = self.full.allocate_slots(seq, num_new_tokens, computed[0])
             return None if new is None else [new]
-        if not all(m.can_allocate(seq, num_new_tokens, c) for m, c in zip(self.managers, computed)):
+        # A replay's full-attention blocks reach past its start: new ones only past them.
+        replayed = hit.replay_until - hit.num_tokens if hit is not None and hit.replay_until else 0
+        num_new = [max(0, num_new_tokens - replayed), num_new_tokens]
+        if not all(m.can_allocate(seq, n, c) for m, n, c in zip(self.managers, num_new, computed)):
             return None
-        return [m.allocate_slots(seq, num_new_tokens, c) for m, c in zip(self.managers, computed)]
+        return [m.allocate_slots(seq, n, c) for m, n, c in zip(self.managers, num_new, computed)]
 
     def free(self, seq: Sequence) -> None:
         for m in self.managers:

@@ -12,6 +12,9 @@ One pool per KV group (``ModelConfig.kv_groups``), each block-major as attention
     kv_caches[1]  [num_window_blocks, L_sliding, 2, B, kv_heads, head_dim]   a hybrid's sliding-window
                                                                            layers (block 0: NULL)
 
+A hybrid's full-attention pool has one block more at its end, written and never read: a bounded
+replay's full-attention K/V go there (NewRequest.replay_until), so the cached KV stays exact.
+
 A step builds one :class:`AttentionMetadata` per group (slot rows and tables differ, the chunks
 do not) and each layer attends over its group's pool with its index inside the group.
 """
@@ -52,6 +55,7 @@ class RequestState:
         self.grammar = new.grammar
         self.prompt_token_ids = new.prompt_token_ids
         self.output_token_ids = list(new.output_token_ids)
+        self.replay_until = new.replay_until
         self.block_tables = [BlockTable()]
         """One per KV group."""
 
@@ -133,6 +137,11 @@ class ModelRunner:
         assert (len(groups) > 1) == (num_window_blocks > 0), "a window pool exactly for a hybrid model"
         assert kv_buffer is None or len(groups) == 1, "the seams move one pool: not a hybrid model's"
         shape = (num_blocks, len(groups[0]), 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # A hybrid's full-attention pool has one block more, that nothing reads: where a bounded
+        # replay writes the full-attention K/V it must not keep (NewRequest.replay_until).
+        self._discard_block = num_blocks if len(groups) > 1 else -1
+        if len(groups) > 1:
+            shape = (num_blocks + 1,) + shape[1:]
         if kv_buffer is not None:
             # A registered memory region (shared memory the transfer engine reads one-sided):
             # the pool is a view of it, already touched by its allocator.
@@ -184,7 +193,8 @@ class ModelRunner:
             len(c.token_ids) == 1 + len(c.draft_token_ids) and c.start_position > 0 for c in out.chunks)
         hidden, meta = self._forward(
             [(c.start_position, c.token_ids, state.block_tables) for c, state in zip(out.chunks, states)],
-            [c.mm_embeds for c in out.chunks], is_verify_step)
+            [c.mm_embeds for c in out.chunks], is_verify_step,
+            [state.replay_until for state in states] if self._discard_block >= 0 else ())
         sample_rows, rows, ids, constrained, verifying = [], [], [], [], []
         end = 0
         for chunk, state in zip(out.chunks, states):
@@ -246,10 +256,11 @@ class ModelRunner:
         return ModelRunnerOutput(sampled, kept_logprobs)
 
     def _forward(self, chunks: list[tuple[int, list[int], Sequence[BlockTable | list[BlockId]]]],
-                 mm_embeds: list[list[tuple[int, torch.Tensor]]] | None = None, is_verify_step: bool = False
-                 ) -> tuple[torch.Tensor, AttentionMetadata]:
+                 mm_embeds: list[list[tuple[int, torch.Tensor]]] | None = None, is_verify_step: bool = False,
+                 replay_until: Sequence[int] = ()) -> tuple[torch.Tensor, AttentionMetadata]:
         """Final hidden states of the flat batch, and the step's attention metadata (group 0's;
-        ``chunks`` carry one block table per KV group)."""
+        ``chunks`` carry one block table per KV group; ``replay_until`` per chunk, where given:
+        RequestState.replay_until)."""
         if self.threads is not None:
             self.threads.ensure()
         input_ids = torch.tensor([t for _, toks, _ in chunks for t in toks], dtype=torch.long,
@@ -264,7 +275,8 @@ class ModelRunner:
                 row += len(toks)
         positions = torch.cat([torch.arange(s, s + len(toks)) for s, toks, _ in chunks]).to(self.device)
         metas = [build_metadata([(s, len(toks), tables[group]) for s, toks, tables in chunks], self.block_size,
-                                num_layers, self.device, self._kernels, self.batch_invariant)
+                                num_layers, self.device, self._kernels, self.batch_invariant,
+                                replay_until if group == 0 else (), self._discard_block)
                  for group, num_layers in enumerate(self._group_num_layers)]
         workspace = self._workspace(max(meta.max_gather_blocks for meta in metas))
         for meta in metas:

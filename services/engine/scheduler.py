@@ -213,6 +213,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.num_computed_tokens = num_hit_tokens
+            seq.replay_until = hit.replay_until
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_hit_tokens
                 self.queue_times_s.append(time.monotonic() - seq.arrival_time)
@@ -245,7 +246,8 @@ class Scheduler:
         new_request = None
         sync, tables = seq.sync, seq.block_tables
         if not sync.is_known:
-            new_request = NewRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.grammar)
+            new_request = NewRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.grammar,
+                                     seq.replay_until)
             sync.is_known, sync.num_tokens, sync.num_blocks = True, len(seq), [0] * len(tables)
         kept = sync.num_blocks
         chunk = ScheduledChunk(

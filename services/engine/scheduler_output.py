@@ -21,6 +21,9 @@ class NewRequest:
     """Tokens already generated (elsewhere, for a request handed over or resumed)."""
     grammar: Any = None
     """The sequence's compiled structured-output grammar, if any (see Sequence.grammar)."""
+    replay_until: int = 0
+    """Positions before this already hold their full-attention KV (Sequence.replay_until):
+    a bounded replay computes them again for the sliding-window layers and does not write it."""
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,10 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         """Prompt tokens served from the prefix cache at first admission (usage reporting)."""
+        self.replay_until = 0
+        """A bounded replay's end (kv_groups.PrefixHit): positions from its admission's hit up
+        to here are computed again only to rebuild the sliding-window layers' KV; their
+        full-attention KV came from the cache and is kept, not written."""
         self.block_tables: list[list[BlockId]] = [[]]
         """One block table per KV group (models.config.ModelConfig.kv_groups); a plain model has one."""
         self.root = root

@@ -66,6 +66,17 @@ class ModelConfig:
         return (full, sliding) if full and sliding else (tuple(range(self.num_layers)),)
 
     @property
+    def replay_tokens(self) -> int:
+        """Tokens a prefix hit whose sliding windows are gone computes again (bounded replay) so
+        that the windows' KV is rebuilt exactly: a query that misses keys before the replay start
+        is wrong, and each sliding-window layer carries that on at most W - 1 positions further,
+        so n_sliding * (W - 1) (W - 1 for one such layer; SPEC's reference would need 2,540).
+        0 for a model without a window pool."""
+        if not self.has_window_pool:
+            return 0
+        return len(self.kv_groups[1]) * (self.sliding_window - 1)
+
+    @property
     def has_window_pool(self) -> bool:
         """Sliding-window layers keep their KV apart, only the window of each sequence."""
         return len(self.kv_groups) > 1

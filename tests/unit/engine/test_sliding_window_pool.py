@@ -181,7 +181,8 @@ def test_long_sequence_keeps_only_its_window_and_matches_transformers(loaded, hf
     eng = engine(loaded)
     window_pool = eng.kv.managers[1]
     assert window_pool.num_blocks == num_window_blocks(W, B, 2, 64) == 12
-    assert eng.runner.kv_caches[0].shape[:2] == (128, 1) and eng.runner.kv_caches[1].shape[:2] == (13, 2)
+    # One block more in each: the window pool's NULL, the full pool's discard block (a replay's).
+    assert eng.runner.kv_caches[0].shape[:2] == (129, 1) and eng.runner.kv_caches[1].shape[:2] == (13, 2)
     prompt = random_prompts(1, [1000], seed=7)[0]
     seen = []
 
@@ -215,20 +216,52 @@ def test_torch_attention_masks_the_freed_entries_exactly(loaded, hf, monkeypatch
     assert run(eng, [prompt], 16)[0].token_ids == hf_greedy(hf, prompt, 16)
 
 
-def test_prefix_hit_is_exact_and_needs_the_window_blocks(loaded):
+def first_logprobs(eng: LLMEngine, prompt: list[int]):
+    """The request's output: its first token's top-5 logprobs, its tokens and cached tokens."""
+    request_id = eng.add_request(prompt, SamplingParams(max_tokens=8, logprobs=5, **GREEDY))
+    while eng.has_unfinished_requests():
+        done = [out for out in eng.step() if out.finished and out.request_id == request_id]
+        if done:
+            return done[0]
+
+
+def test_prefix_hit_is_exact_and_without_its_window_replays_only_what_rebuilds_it(loaded):
     eng = engine(loaded, num_kv_blocks=256)
     prompt = random_prompts(1, [1000], seed=8)[0]
-    first = run(eng, [prompt], 8)[0]
-    again = run(eng, [prompt], 8)[0]
+    first = first_logprobs(eng, prompt)
+    again = first_logprobs(eng, prompt)
     # 999 // 16 = 62 blocks: the query at 992 sees 969..991, window blocks 60 and 61, still cached.
     assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 992)
     assert again.token_ids == first.token_ids
     # Other traffic cycles the 12-block window pool: the full-attention blocks survive, the
-    # window's do not, so nothing of the prompt is usable.
+    # window's do not. Two sliding layers of W = 24: 2 * 23 = 46 tokens rebuild the window
+    # exactly, from 944 (block-aligned) on; the full-attention KV there is kept, not rewritten.
+    assert loaded.config.replay_tokens == 46
     run(eng, random_prompts(1, [300], seed=9), 4)
-    evicted = run(eng, [prompt], 8)[0]
-    assert evicted.num_cached_tokens == 0 and evicted.token_ids == first.token_ids
-    assert len(eng.block_manager.cached_prefix(prompt, eng.block_manager.update_hashes(seq_of_tokens(prompt)))) == 62
+    hashes = eng.block_manager.update_hashes(seq_of_tokens(prompt))
+    kept = eng.block_manager.cached_prefix(prompt, hashes)
+    assert len(kept) == 62
+    before = eng.runner.kv_caches[0][kept].clone()
+    replayed = first_logprobs(eng, prompt)
+    assert replayed.num_cached_tokens == 944 and replayed.token_ids == first.token_ids
+    assert torch.equal(eng.runner.kv_caches[0][kept], before)
+    for a, b in zip(replayed.logprobs[0].top, first.logprobs[0].top):
+        assert a[0] == b[0] and abs(a[1] - b[1]) < 1e-5
+    # The replay's window blocks hold exact KV from 992 - 23 on: the next hit is a full one.
+    assert first_logprobs(eng, prompt).num_cached_tokens == 992
+
+
+def test_a_replay_shorter_than_the_bound_is_not_exact(loaded):
+    """The bound is needed: one sliding layer's worth (23 tokens) leaves the second sliding
+    layer's window KV computed from hidden states that missed keys."""
+    eng = engine(loaded, num_kv_blocks=256)
+    prompt = random_prompts(1, [1000], seed=8)[0]
+    first = first_logprobs(eng, prompt)
+    run(eng, random_prompts(1, [300], seed=9), 4)
+    eng.kv.replay_tokens = 23
+    short = first_logprobs(eng, prompt)
+    assert short.num_cached_tokens == 960
+    assert max(abs(a[1] - b[1]) for a, b in zip(short.logprobs[0].top, first.logprobs[0].top)) > 1e-5
 
 
 def seq_of_tokens(token_ids: list[int]) -> Sequence:
