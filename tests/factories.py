@@ -36,15 +36,17 @@ def make_tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, **overri
     return path
 
 
-def make_tiny_chat_model_dir(path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """A tiny random Llama that speaks through a real tokenizer (copied from ``tokenizer_dir``):
-    its vocabulary is the tokenizer's, so chat templates, text and stop strings all work."""
+def make_tiny_chat_model_dir(path: Path, tokenizer_dir: Path, seed: int = 0, arch: str = "llama",
+                             **overrides) -> Path:
+    """A tiny random Llama (or ``arch``, with config ``overrides``) that speaks through a real
+    tokenizer (copied from ``tokenizer_dir``): its vocabulary is the tokenizer's, so chat
+    templates, text and stop strings all work."""
     import json
     import shutil
 
     tokenizer_dir = Path(tokenizer_dir)
     vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
-    make_tiny_model_dir(path, "llama", seed=seed, vocab_size=vocab, tie_word_embeddings=True)
+    make_tiny_model_dir(path, arch, seed=seed, vocab_size=vocab, tie_word_embeddings=True, **overrides)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, path / name)
     return path

@@ -157,10 +157,10 @@ class DecodeWorker:
         return reservation
 
     async def _transfer(self, kv: KVHandle, reservation: Reservation) -> bool:
-        """Read the prompt's KV into the reserved blocks past the local hits; False when it
-        must be recomputed."""
+        """Read the prompt's KV into the reserved blocks past the local hits (and a hybrid
+        model's window KV into its window blocks); False when it must be recomputed."""
         seam = self.instance.seam
-        if len(kv.blocks) != len(reservation.block_ids) or any(b.length != seam.block_bytes for b in kv.blocks):
+        if [b.length for b in kv.blocks] != seam.slot_bytes(reservation):
             logger.warning("KV handle %s does not match this engine's layout: recomputing", kv.lease_id)
             return False
         skip = reservation.num_local_blocks

@@ -23,15 +23,15 @@ from services.common import metrics
 from services.common.cost_model import PrefillCost
 from services.common.errors import InvalidRequestError, PromptTooLongError
 from services.common.sampling_params import SamplingParams, StructuredOutput
-from services.engine.block_manager import BlockManager, SlidingWindowBlockManager
+from services.engine.block_manager import NULL_BLOCK, BlockManager, SlidingWindowBlockManager
 from services.engine.config import EngineConfig
 from services.engine.kv_groups import KVGroups, num_window_blocks
 from services.engine.models.loader import LoadedModel, load_model
-from services.engine.model_runner import ModelRunner, kv_block_bytes, resolve_device, resolve_dtype
+from services.engine.model_runner import ModelRunner, kv_block_bytes, pools_bytes, resolve_device, resolve_dtype
 from services.engine.outputs import OutputState, RequestOutput
 from services.engine.scheduler import OnlineCost, Scheduler
 from services.engine.prefix_seam import PrefixSeam
-from services.engine.seams import Handoff, KVReservation, check_seams
+from services.engine.seams import Handoff, KVReservation
 from services.engine.structured import CompiledGrammar, GrammarCompiler
 from services.engine.threads import parse_cpus
 from services.engine.sequence import FinishReason, MultiModalInput, RequestId, Sequence, SequenceStatus
@@ -67,8 +67,9 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  kv_allocator: Callable[[int], object] | None = None) -> None:
-        """``kv_allocator(num_bytes)`` returns a writable host buffer for the KV pool (a memory
-        region the transfer engine registers); by default the pool is private memory."""
+        """``kv_allocator(num_bytes)`` returns a writable host buffer for the KV pools (a memory
+        region the transfer engine registers; a hybrid model's two pools lie one after the
+        other, ``runner.pool_offsets``); by default the pools are private memory."""
         self.config = config = config or EngineConfig()
         loaded = loaded or load_model(config.model)
         self.model_config = cfg = loaded.config
@@ -101,12 +102,16 @@ class LLMEngine:
         """Speculative decoding's drafts verified and kept, in total (acceptance = their ratio)."""
         self._online_cost = OnlineCost()
         self.kv_block_bytes = kv_block_bytes(cfg, bs, dtype)
-        kv_buffer = kv_allocator(num_blocks * self.kv_block_bytes) if kv_allocator else None
+        self.window_block_bytes = kv_block_bytes(cfg, bs, dtype, 1) if num_window else 0
+        """A hybrid model's window pool's block (its sliding-window layers), what a hand-over moves too."""
+        num_window_total = num_window and len(self.kv.managers[1].blocks)  # its NULL block included
+        kv_buffer = (kv_allocator(sum(pools_bytes(cfg, num_blocks, num_window_total, bs, dtype)))
+                     if kv_allocator else None)
         self.runner = ModelRunner(cfg, loaded.weights, num_blocks, bs, device, dtype, eos, kv_buffer,
                                   batch_invariant=config.batch_invariant,
                                   cpu_threads=parse_cpus(config.cpu_threads), nice=config.nice,
-                                  num_window_blocks=num_window and len(self.kv.managers[1].blocks))
-        self.prefix = PrefixSeam(self.block_manager, self.runner, self.root_for, cfg.has_window_pool)
+                                  num_window_blocks=num_window_total)
+        self.prefix = PrefixSeam(self.block_manager, self.runner, self.root_for)
         """Full blocks by hash between this pool and other engines or the KV store."""
         self.grammar_compiler = GrammarCompiler(self.tokenizer, cfg.vocab_size, eos) if self.tokenizer else None
         self._states: dict[RequestId, OutputState] = {}
@@ -156,8 +161,6 @@ class LLMEngine:
         another engine (:meth:`reserve_kv`, :meth:`commit_kv`), so it is not scheduled yet.
         ``cache_salt``: only requests with the same salt share cached KV. ``grammar``:
         ``params.structured`` compiled (:meth:`compile_grammar`); None: compiled here, now."""
-        if hold_for_kv:
-            self._check_seams()
         token_ids = self.validate(prompt, params)
         rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
         if rid in self._states:
@@ -214,7 +217,7 @@ class LLMEngine:
             return
         held = self._held.pop(state.seq.request_id, None)
         if held is not None:
-            self.block_manager.free(held)
+            self.kv.free(held)
             held.status = SequenceStatus.FINISHED
             held.finish_reason = FinishReason.ABORT
         else:
@@ -332,49 +335,59 @@ class LLMEngine:
         finally:
             self.kv.free(seq)
 
-    def _check_seams(self) -> None:
-        check_seams(self.model_config.has_window_pool)
-
     # ----- the disaggregation seam -------------------------------------------------------
     def detach(self, request_id: str) -> Handoff:
         """Take a running request that has sampled its first token out of this engine, keeping
-        its prompt KV for another engine to read; free it with :meth:`release_handoff`."""
-        self._check_seams()
+        its prompt KV for another engine to read; free it with :meth:`release_handoff`. A hybrid
+        model's hand-over holds the window blocks the next query sees too (window_block_ids)."""
         state = self._states.pop(RequestId(request_id))
         seq = state.seq
         assert seq.num_computed_tokens == seq.num_prompt_tokens and seq.num_output_tokens >= 1, seq
-        block_ids = self.scheduler.detach(seq)
-        self._num_handoff_blocks += len(block_ids)
+        tables = self.scheduler.detach(seq)
+        self._num_handoff_blocks += len(tables[0])
         self._flush_finished()
-        return Handoff(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, block_ids,
-                       seq.num_cached_tokens, state.to_output().logprobs)
+        window = [b for b in tables[1] if b != NULL_BLOCK] if len(tables) > 1 else []
+        return Handoff(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, tables[0],
+                       seq.num_cached_tokens, state.to_output().logprobs, window)
 
     def release_handoff(self, handoff: Handoff) -> None:
         self._num_handoff_blocks -= len(handoff.block_ids)
         self.block_manager.unpin(handoff.block_ids)
-        handoff.block_ids = []
+        if handoff.window_block_ids:
+            self.kv.managers[1].unpin(handoff.window_block_ids)
+        handoff.block_ids, handoff.window_block_ids = [], []
 
     def reserve_kv(self, request_id: str) -> KVReservation | None:
-        """Blocks for a held request's prompt KV (local prefix hits first); None: no room now."""
-        self._check_seams()
+        """Blocks for a held request's prompt KV (local prefix hits first; a hybrid model's
+        window blocks, those its next query sees, always arrive); None: no room now."""
         seq = self._held[RequestId(request_id)]
-        assert not seq.block_table
-        hits = self.block_manager.get_computed_blocks(seq)
+        assert not any(seq.block_tables)
+        full, *windows = self.kv.managers
+        hits = full.get_computed_blocks(seq)
         num_new = seq.num_prompt_tokens - len(hits) * self.block_manager.block_size
-        if self.block_manager.allocate_slots(seq, num_new, hits) is None:
+        if not windows:
+            if full.allocate_slots(seq, num_new, hits) is None:
+                return None
+            return KVReservation(list(seq.block_table), len(hits))
+        window = windows[0]
+        skipped = [NULL_BLOCK] * window.num_out_of_window(seq.num_prompt_tokens)
+        num_in_window = seq.num_prompt_tokens - len(skipped) * window.block_size
+        if not (full.can_allocate(seq, num_new, hits) and window.can_allocate(seq, num_in_window, skipped)):
             return None
-        return KVReservation(list(seq.block_table), len(hits))
+        full.allocate_slots(seq, num_new, hits)
+        window.allocate_slots(seq, num_in_window, skipped)
+        return KVReservation(list(seq.block_table), len(hits), seq.table(1)[len(skipped):])
 
     def commit_kv(self, request_id: str, num_cached_tokens: int = 0) -> None:
         """The reserved blocks now hold the prompt's KV: start generating."""
         seq = self._held.pop(RequestId(request_id))
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.num_cached_tokens = num_cached_tokens
-        self.block_manager.cache_full_blocks(seq)
+        self.kv.commit(seq)
         self.scheduler.add_computed(seq)
 
     def recompute_kv(self, request_id: str) -> None:
         """The prompt's KV could not be read: compute it here instead (same tokens, slower)."""
         seq = self._held.pop(RequestId(request_id))
-        self.block_manager.free(seq)
+        self.kv.free(seq)
         self.scheduler.add(seq)

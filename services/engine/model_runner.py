@@ -112,6 +112,19 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, group:
     return num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
+def pool_sizes(cfg: ModelConfig, num_blocks: int, num_window_blocks: int) -> list[int]:
+    """Blocks of each KV group's pool as the runner lays them out: a hybrid's full-attention
+    pool has one block more (the discard block), its window pool already counts its NULL."""
+    return [num_blocks] if not cfg.has_window_pool else [num_blocks + 1, num_window_blocks]
+
+
+def pools_bytes(cfg: ModelConfig, num_blocks: int, num_window_blocks: int, block_size: int,
+                dtype: torch.dtype) -> list[int]:
+    """Bytes of each pool, in the order one external buffer holds them (ModelRunner)."""
+    return [n * kv_block_bytes(cfg, block_size, dtype, group)
+            for group, n in enumerate(pool_sizes(cfg, num_blocks, num_window_blocks))]
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], num_blocks: int,
                  block_size: int, device: torch.device, dtype: torch.dtype,
@@ -135,25 +148,26 @@ class ModelRunner:
         self.model.inv_freq = rope_inv_freq(cfg).to(device)
         groups = cfg.kv_groups
         assert (len(groups) > 1) == (num_window_blocks > 0), "a window pool exactly for a hybrid model"
-        assert kv_buffer is None or len(groups) == 1, "the seams move one pool: not a hybrid model's"
-        shape = (num_blocks, len(groups[0]), 2, block_size, cfg.num_kv_heads, cfg.head_dim)
         # A hybrid's full-attention pool has one block more, that nothing reads: where a bounded
         # replay writes the full-attention K/V it must not keep (NewRequest.replay_until).
         self._discard_block = num_blocks if len(groups) > 1 else -1
-        if len(groups) > 1:
-            shape = (num_blocks + 1,) + shape[1:]
+        shapes = [(n, len(layers), 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+                  for n, layers in zip(pool_sizes(cfg, num_blocks, num_window_blocks), groups)]
+        self.pool_offsets = [0]
+        """Byte offset of each pool in the buffer that holds them all (a registered region)."""
+        for size in pools_bytes(cfg, num_blocks, num_window_blocks, block_size, dtype)[:-1]:
+            self.pool_offsets.append(self.pool_offsets[-1] + size)
         if kv_buffer is not None:
             # A registered memory region (shared memory the transfer engine reads one-sided):
-            # the pool is a view of it, already touched by its allocator.
+            # the pools are views of it, one after the other, already touched by its allocator.
             assert device.type == "cpu", "an external KV buffer is host memory"
-            self.kv_cache = torch.frombuffer(kv_buffer, dtype=torch.uint8)[
-                :num_blocks * kv_block_bytes(cfg, block_size, dtype)].view(dtype).view(shape)
+            raw = torch.frombuffer(kv_buffer, dtype=torch.uint8)
+            self.kv_caches = [raw[offset:offset + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
+                              for offset, shape in zip(self.pool_offsets, shapes)]
         else:
             # Zero-filled, so every page of the pool is touched now rather than mid-request.
-            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.kv_caches = [self.kv_cache] + [
-            torch.zeros((num_window_blocks, len(layers)) + shape[2:], dtype=dtype, device=device)
-            for layers in groups[1:]]
+            self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        self.kv_cache = self.kv_caches[0]
         self._group_num_layers = [len(layers) for layers in groups]
         self._gather_buffer = self.kv_cache.new_empty((2, 0) + tuple(self.kv_cache.shape[3:]))
         # Where the CPU's kernels exist (fp32, bf16), attention reads blocks in place, and fp32
@@ -328,12 +342,12 @@ class ModelRunner:
         return torch.cat(logits)
 
     # ----- the disaggregation seam -------------------------------------------------------
-    def block_view(self, block_id: BlockId) -> torch.Tensor:
-        """One block's KV for every layer, [num_layers, 2, block_size, kv_heads, head_dim].
-
-        A view into the pool, contiguous in memory: ``view[l, 0]`` is layer l's K.
+    def block_view(self, block_id: BlockId, group: int = 0) -> torch.Tensor:
+        """One block of a group's pool, KV for each of its layers, [num_layers, 2, block_size,
+        kv_heads, head_dim]. A view into the pool, contiguous in memory: ``view[l, 0]`` is the
+        group's layer l's K.
         """
-        return self.kv_cache[block_id]
+        return self.kv_caches[group][block_id]
 
     @torch.inference_mode()
     def write_block(self, block_id: BlockId, data: torch.Tensor) -> None:

@@ -21,24 +21,22 @@ from kvstore.hashing import BlockHash, block_hashes
 from services.common.sampling_params import SamplingParams
 from services.engine.block_manager import BlockManager
 from services.engine.model_runner import ModelRunner
-from services.engine.seams import KVBlock, KVExport, KVReservation, check_seams
+from services.engine.seams import KVBlock, KVExport, KVReservation
 from services.engine.sequence import BlockId, MultiModalInput, RequestId, Sequence
 
 
 class PrefixSeam:
-    def __init__(self, block_manager: BlockManager, runner: ModelRunner, root_for: Callable[[str], BlockHash],
-                 has_window_pool: bool = False) -> None:
-        """``block_manager``: the pool's (a hybrid model's full-attention pool); ``root_for``:
-        the first block's parent hash for a cache salt."""
+    def __init__(self, block_manager: BlockManager, runner: ModelRunner, root_for: Callable[[str], BlockHash]) -> None:
+        """``block_manager``: the pool's (a hybrid model's full-attention pool: its prefixes are
+        full-attention blocks only; a hit without the sliding windows is a bounded replay,
+        kv_groups.PrefixHit); ``root_for``: the first block's parent hash for a cache salt."""
         self.block_manager = block_manager
         self.runner = runner
         self.root_for = root_for
-        self.has_window_pool = has_window_pool
 
-    def block_buffer(self, block_id: BlockId) -> torch.Tensor:
-        """One block's KV bytes in the pool (contiguous), what a transfer reads or writes."""
-        check_seams(self.has_window_pool)
-        return self.runner.block_view(block_id).view(torch.uint8).view(-1)
+    def block_buffer(self, block_id: BlockId, group: int = 0) -> torch.Tensor:
+        """One block's KV bytes in a group's pool (contiguous), what a transfer reads or writes."""
+        return self.runner.block_view(block_id, group).view(torch.uint8).view(-1)
 
     def prompt_hashes(self, token_ids: list[int], mm_inputs: Sequence_[MultiModalInput] = (),
                       cache_salt: str = "") -> tuple[list[BlockHash], int]:
@@ -53,7 +51,6 @@ class PrefixSeam:
         """Blocks for the first ``num_blocks`` blocks of a prompt whose KV will be read in
         (e.g. from the KV store): local prefix hits first, pinned so nothing evicts them
         meanwhile. Give them back with :meth:`fill_prefix`; None: no room now."""
-        check_seams(self.has_window_pool)
         bm = self.block_manager
         local = bm.cached_prefix(token_ids, hashes[:num_blocks])
         bm.pin(local)
@@ -79,7 +76,6 @@ class PrefixSeam:
     def export_kv(self, token_ids: list[int], hashes: list[BlockHash] | None = None) -> KVExport:
         """Pin and expose the cached full blocks covering the longest prefix of ``token_ids``
         (``hashes``: theirs from :meth:`prompt_hashes`; default: unsalted, without images)."""
-        check_seams(self.has_window_pool)
         bm = self.block_manager
         bs = bm.block_size
         hashes = block_hashes(token_ids, bs, self.root_for("")) if hashes is None else hashes
@@ -95,7 +91,6 @@ class PrefixSeam:
 
     def import_kv(self, blocks: list[KVBlock]) -> int | None:
         """Copy blocks into this engine's pool and prefix cache; None if there is no room."""
-        check_seams(self.has_window_pool)
         slots = self.block_manager.allocate_cached([(b.block_hash, b.token_ids) for b in blocks])
         if slots is None:
             return None

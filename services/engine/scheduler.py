@@ -342,14 +342,14 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     # ----- the disaggregation seam -------------------------------------------------------
-    def detach(self, seq: Sequence) -> list[BlockId]:
-        """Take a running sequence out of this engine, keeping its blocks; returns them.
+    def detach(self, seq: Sequence) -> list[list[BlockId]]:
+        """Take a running sequence out of this engine, keeping its blocks; returns its table in
+        each KV group (a window group's has NULL_BLOCK entries: none held for them).
 
         The caller owns the returned blocks (one reference each) until it frees them.
         """
-        assert len(seq.block_tables) == 1, "a window group's blocks are not handed over (engine.py)"
         self.running.remove(seq)
-        blocks, seq.block_table = seq.block_table, []
+        blocks, seq.block_tables = seq.block_tables, [[] for _ in seq.block_tables]
         seq.status = SequenceStatus.FINISHED
         self._finished_ids.append(seq.request_id)
         return blocks

@@ -5,25 +5,13 @@ exported prefix blocks (engine -> engine, KV store writes). See :class:`LLMEngin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvstore.hashing import BlockHash
 from services.common.sampling_params import TokenLogprobs
 from services.engine.sequence import BlockId, RequestId
-
-NO_WINDOW_HANDOVER = ("sliding-window models run in one engine for now: the hand-over of their window "
-                      "KV is not built")
-"""Why the seams refuse a hybrid model (ModelConfig.has_window_pool): they move whole blocks of
-one pool, and would leave the sliding-window layers' pool behind."""
-
-
-def check_seams(has_window_pool: bool) -> None:
-    """Raise for a model whose KV is not in one pool (see NO_WINDOW_HANDOVER)."""
-    if has_window_pool:
-        raise RuntimeError(NO_WINDOW_HANDOVER)
-
 
 @dataclass
 class KVBlock:
@@ -40,6 +28,8 @@ class Handoff:
     """A request detached after its first token(s), its prompt's KV blocks still held here.
 
     ``block_ids`` hold the KV of the prompt (its last block may be partial). They stay allocated until :meth:`LLMEngine.release_handoff`.
+    A hybrid model's ``window_block_ids`` hold its sliding-window layers' KV where the next query
+    sees it: the window pool's blocks from ``num_out_of_window(len(prompt))`` on, in order.
     """
 
     request_id: RequestId
@@ -49,6 +39,7 @@ class Handoff:
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] | None = None
     """Of ``output_token_ids``, when the request asked for logprobs."""
+    window_block_ids: list[BlockId] = field(default_factory=list)
 
 
 @dataclass
@@ -56,11 +47,13 @@ class KVReservation:
     """Blocks reserved for a request whose prompt KV arrives from another engine.
 
     ``block_ids`` cover the prompt in order; the first ``num_local_blocks`` already hold the
-    right KV (local prefix-cache hits), the rest must be filled before :meth:`LLMEngine.commit_kv`.
+    right KV (local prefix-cache hits), the rest must be filled before :meth:`LLMEngine.commit_kv`,
+    as must a hybrid model's ``window_block_ids`` (as in :class:`Handoff`).
     """
 
     block_ids: list[BlockId]
     num_local_blocks: int
+    window_block_ids: list[BlockId] = field(default_factory=list)
 
 
 @dataclass

@@ -30,7 +30,6 @@ from services.common.wire import LoadReport, ModelInfo, RequestSpec, TensorBytes
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.models.loader import load_model
-from services.engine.seams import NO_WINDOW_HANDOVER
 from services.engine.sequence import MultiModalInput
 from services.engine.serving.async_engine import AsyncEngine
 from services.engine.serving.seam import EngineSeam
@@ -90,9 +89,6 @@ class EngineInstance:
         self.role = role
         self.instance_id = config.instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
         loaded = load_model(engine_config.model)
-        # Peers hand over and store whole blocks of one pool; a hybrid model's window pool would
-        # be left behind (engine.py refuses the seams too), so it is refused here, before a pool exists.
-        check(not loaded.config.has_window_pool, "model", NO_WINDOW_HANDOVER)
         # A vision-language checkpoint names its own placeholder (issue 20); the flag is for others.
         self.image_token_id = (config.image_token_id if loaded.config.image_token_id is None
                                else loaded.config.image_token_id)

@@ -61,6 +61,12 @@ class Reservation:
     def num_local_blocks(self) -> int:
         return self.blocks.num_local_blocks
 
+    @property
+    def slots(self) -> list[tuple[int, BlockId]]:
+        """(KV group, block) of each position a read may fill: the prompt's blocks, then a
+        hybrid model's window blocks (a hand-over's handle lists them in the same order)."""
+        return [(0, b) for b in self.blocks.block_ids] + [(1, b) for b in self.blocks.window_block_ids]
+
 
 @dataclass
 class Export:
@@ -96,7 +102,13 @@ class EngineSeam:
 
     @property
     def block_bytes(self) -> int:
+        """A full-attention block's (every layer's, for a plain model): what the KV store holds."""
         return self._llm.kv_block_bytes
+
+    def slot_bytes(self, reservation: Reservation) -> list[int]:
+        """The size of each of a reservation's slots: what a hand-over's handle must list."""
+        sizes = (self._llm.kv_block_bytes, self._llm.window_block_bytes)
+        return [sizes[group] for group, _ in reservation.slots]
 
     @property
     def has_host_pool(self) -> bool:
@@ -127,9 +139,11 @@ class EngineSeam:
 
     # ----- lending blocks -----------------------------------------------------------------
     async def export_handoff(self, handoff: Handoff, lease_id: str) -> Export | None:
-        """Name a hand-over's blocks for one-sided readers (checksummed off the event loop);
-        should that fail, the blocks are released. None (blocks released): staging is full."""
-        return await self._lend(handoff.block_ids, lease_id, handoff)
+        """Name a hand-over's blocks for one-sided readers (checksummed off the event loop),
+        a hybrid model's window blocks after the prompt's; should that fail, the blocks are
+        released. None (blocks released): staging is full, or cannot take window blocks."""
+        return await self._lend([(0, b) for b in handoff.block_ids] + [(1, b) for b in handoff.window_block_ids],
+                                lease_id, handoff)
 
     async def export_prefix(self, token_ids: list[int], hashes: list[BlockHash], first_block: int,
                             lease_id: str) -> Export | None:
@@ -140,7 +154,7 @@ class EngineSeam:
         if not block_ids:
             self.release(pinned)
             return None
-        return await self._lend(block_ids, lease_id, pinned)
+        return await self._lend([(0, b) for b in block_ids], lease_id, pinned)
 
     def release(self, lent: Export | Handoff) -> None:
         """Give lent blocks (or staging slots) back: queued for the engine thread, so safe from
@@ -156,16 +170,20 @@ class EngineSeam:
         elif pinned is not None:
             self._engine.call_soon(self._llm.prefix.release, pinned)
 
-    async def _lend(self, block_ids: list[BlockId], lease_id: str, pinned: Handoff | KVExport) -> Export | None:
+    async def _lend(self, slots: list[tuple[int, BlockId]], lease_id: str, pinned: Handoff | KVExport) -> Export | None:
+        """Name (KV group, block) ``slots``: ranges of the region that holds every pool."""
         if self._region_id is None and self.staging is None:
             self.release(pinned)
             raise RuntimeError("a pool peers cannot reach has nothing to export")
         if self.staging is not None:
-            return await self._lend_staged(block_ids, lease_id, pinned)
-        size = self.block_bytes
+            if any(group for group, _ in slots):  # its slots are full-attention blocks' size
+                self.release(pinned)
+                return None
+            return await self._lend_staged([b for _, b in slots], lease_id, pinned)
+        offsets, sizes = self._llm.runner.pool_offsets, (self._llm.kv_block_bytes, self._llm.window_block_bytes)
         try:
             handle = await asyncio.to_thread(self._transfer.export, self._region_id,
-                                             [(block_id * size, size) for block_id in block_ids], lease_id)
+                                             [(offsets[g] + b * sizes[g], sizes[g]) for g, b in slots], lease_id)
         except BaseException:
             self.release(pinned)
             raise
@@ -220,11 +238,14 @@ class EngineSeam:
         return self._transfer.select_transport(handle) or "none"
 
     async def read(self, reservation: Reservation, handle: KVHandle, positions: Sequence[int]) -> str | None:
-        """Read ``handle.blocks[i]`` one-sided into the reserved block at ``positions[i]``; the
-        error, or None when every block arrived (see :func:`read_kv`)."""
-        destinations = [self._llm.prefix.block_buffer(reservation.block_ids[p]) for p in positions]
+        """Read ``handle.blocks[i]`` one-sided into the reservation's slot at ``positions[i]``
+        (Reservation.slots); the error, or None when every block arrived (see :func:`read_kv`)."""
+        where = reservation.slots
+        destinations = [self._llm.prefix.block_buffer(where[p][1], where[p][0]) for p in positions]
         if self.staging is None:
             return await read_kv(self._transfer, handle, [d.numpy() for d in destinations])
+        if any(where[p][0] for p in positions):
+            return "the KV staging region holds full-attention blocks only, not window blocks"
         staging = self.staging
         slots = staging.slots.alloc(len(destinations))
         if slots is None:

@@ -15,7 +15,6 @@ import torch
 import transformers
 
 from kvstore.hashing import root_hash
-from services.common.config import ConfigError
 from services.common.sampling_params import SamplingParams
 from services.engine.block_manager import NULL_BLOCK, BlockManager, SlidingWindowBlockManager
 from services.engine.config import EngineConfig
@@ -293,14 +292,46 @@ def _check_window(seq: Sequence) -> None:
     assert len([b for b in seq.table(1) if b != NULL_BLOCK]) <= MAX_WINDOW_BLOCKS
 
 
-def test_seams_and_the_serving_instance_refuse_a_hybrid_model(loaded, hybrid_dir):
-    eng = engine(loaded)
-    with pytest.raises(RuntimeError, match="sliding-window models run in one engine"):
-        eng.prefix.export_kv([5] * 40)
-    with pytest.raises(RuntimeError, match="window KV is not built"):
-        eng.add_request([5] * 8, SamplingParams(max_tokens=2), hold_for_kv=True)
-    from services.engine.serving.instance import EngineInstance, ServingConfig
+def test_hand_over_moves_the_window_too_and_decode_continues_exactly(loaded, hf):
+    """Prefill -> decode between two engines, blocks copied as the transfer engine would: the
+    full-attention blocks of the prompt and the window blocks its next query sees."""
+    from tests.unit.engine.test_handoff import run as run_to_end
 
-    with pytest.raises(ConfigError, match="model: sliding-window models run in one engine for now: "
-                                          "the hand-over of their window KV is not built"):
-        EngineInstance(ServingConfig(model=str(hybrid_dir), num_kv_blocks=32, device="cpu"), "prefill")
+    prefill, decode = engine(loaded, num_kv_blocks=128), engine(loaded, num_kv_blocks=128)
+    for i, length in enumerate([5, 40, 300, 999]):
+        prompt = random_prompts(1, [length], seed=20 + i)[0]
+        params = SamplingParams(max_tokens=16, **GREEDY)
+        rid = f"h{i}"
+        prefill.add_request(prompt, params, rid)
+        while not [o for o in prefill.step() if o.request_id == rid]:
+            pass
+        handoff = prefill.detach(rid)
+        first = prefill.kv.managers[1].num_out_of_window(length)
+        assert len(handoff.block_ids) == ceil_div(length, B)
+        assert len(handoff.window_block_ids) == ceil_div(length, B) - first <= MAX_WINDOW_BLOCKS
+        decode.add_request(prompt, params, rid, output_token_ids=handoff.output_token_ids, hold_for_kv=True)
+        reservation = decode.reserve_kv(rid)
+        assert len(reservation.window_block_ids) == len(handoff.window_block_ids)
+        pairs = [(0, s, d) for s, d in list(zip(handoff.block_ids, reservation.block_ids))[reservation.num_local_blocks:]]
+        pairs += [(1, s, d) for s, d in zip(handoff.window_block_ids, reservation.window_block_ids)]
+        for group, src, dst in pairs:
+            decode.prefix.block_buffer(dst, group).copy_(prefill.prefix.block_buffer(src, group))
+        decode.commit_kv(rid, handoff.num_cached_tokens)
+        prefill.release_handoff(handoff)
+        assert run_to_end(decode)[rid].token_ids == hf_greedy(hf, prompt, 16), length
+    assert prefill.kv.num_used_blocks() == decode.kv.num_used_blocks() == [0, 0]
+
+
+def test_a_prefix_from_elsewhere_is_full_attention_blocks_and_a_replay(loaded):
+    """What the KV store moves for a hybrid model: full-attention blocks only. Imported into
+    another engine they are a hit without the windows: a bounded replay, same tokens."""
+    source, target = engine(loaded, num_kv_blocks=256), engine(loaded, num_kv_blocks=256)
+    prompt = random_prompts(1, [1000], seed=8)[0]
+    cold = first_logprobs(source, prompt)
+    export = source.prefix.export_kv(prompt)
+    assert len(export.blocks) == 62 and export.blocks[0].data.shape[0] == 1  # the one full-attention layer
+    assert target.prefix.import_kv(export.blocks) == 62
+    source.prefix.release(export)
+    replayed = first_logprobs(target, prompt)
+    assert replayed.num_cached_tokens == 944 and replayed.token_ids == cold.token_ids
+    assert source.kv.num_used_blocks() == target.kv.num_used_blocks() == [0, 0]

@@ -1,0 +1,61 @@
+"""A hybrid sliding-window model through a real cluster (2 prefill, 1 decode, 1 store node):
+the prefill -> decode hand-over moves the window KV too; a prefix written by one prefill is hit
+by the other with its window (the SWA tier) or, once the window is gone, by a bounded replay;
+the output equals one engine's every time, and nothing stays held."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from services.engine import LLM, SamplingParams
+from tests.cluster import running_cluster
+from tests.factories import make_tiny_chat_model_dir, random_prompts
+
+BLOCK, WINDOW = 16, 24
+REPLAY = 2 * (WINDOW - 1)  # two sliding-window layers
+
+
+@pytest.fixture(scope="module")
+def hybrid_chat_dir(tmp_path_factory, smollm2_dir):
+    return make_tiny_chat_model_dir(tmp_path_factory.mktemp("hybrid-chat"), smollm2_dir, seed=5, arch="qwen2",
+                                    num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW,
+                                    layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+
+
+@pytest.fixture(scope="module")
+def cluster(hybrid_chat_dir):
+    with running_cluster(str(hybrid_chat_dir), encoders=0, prefills=2, decodes=1, kv_cache_gib=0.05,
+                         max_num_batched_tokens=64, device="cpu", kvstores=1,
+                         prefill_policy="round_robin") as running:
+        yield running
+
+
+@pytest.fixture(autouse=True)
+def nothing_held_after_each_test(cluster):
+    yield
+    assert cluster.leftovers() == []
+
+
+def complete(cluster, prompt: list[int], max_tokens: int = 24) -> tuple[list[int], int]:
+    body = {"model": "hybrid-chat0", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    reply = httpx.post(cluster.url + "/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    data = reply.json()
+    return data["choices"][0]["token_ids"], data["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def one_engine(model_dir, prompts: list[list[int]], max_tokens: int = 24) -> list[list[int]]:
+    llm = LLM(str(model_dir), num_kv_blocks=256, device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [out.token_ids for out in llm.generate(prompts, params)]
+
+
+def test_the_hand_over_moves_the_window_and_decode_continues_as_one_engine(cluster, hybrid_chat_dir):
+    prompts = random_prompts(3, [7, 100, 700], vocab=49152, seed=31)
+    expected = one_engine(hybrid_chat_dir, prompts)
+    for prompt, tokens in zip(prompts, expected):
+        assert complete(cluster, prompt)[0] == tokens, len(prompt)
+    assert cluster.metric("decode", "epd_kv_handover_path_total", path="direct") >= 3
+    assert cluster.metric("decode", "epd_kv_handover_path_total", path="recompute") == 0
