@@ -84,13 +84,14 @@ class Cluster:
                 "--kv-transport", c.kv_transport, "--cpu-threads", self._cpu_threads(role, index)]
         args += [arg for child in kvstores for arg in ("--kvstore", child.address)]
         if kvstores:
-            args += ["--kvstore-replicas", str(c.kvstore_replicas)]
+            args += ["--kvstore-replicas", str(c.kvstore_replicas), "--swa-ttl-s", str(c.swa_ttl_s)]
         return args + (["--model", c.model] if c.model else [])
 
     def _kvstore_args(self, node: int) -> list[str]:
         c = self.config
         args = ["--node-id", f"kvstore-{node}", "--host-capacity-mib", str(c.kvstore_capacity_mib),
-                "--disk-capacity-gib", str(c.kvstore_disk_gib), "--kv-transport", c.kv_transport]
+                "--disk-capacity-gib", str(c.kvstore_disk_gib), "--kv-transport", c.kv_transport,
+                "--swa-ttl-s", str(c.swa_ttl_s)]
         if disk_dir := c.kvstore_disk_dir(node):
             args += ["--disk-dir", disk_dir]
         return args + (["--redis-url", c.redis] if c.redis else [])

@@ -9,6 +9,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore.swa import DEFAULT_SWA_TTL_S
 from kvstore.transfer.engine import TRANSPORT_CHOICES
 from services.common.config import check
 from services.common.errors import InvalidRequestError
@@ -71,6 +72,9 @@ class UpConfig:
     node); empty: ~/.cache/epd/kvstore; "none": memory only."""
     kvstore_disk_gib: float = 8.0
     """Disk tier of each store node."""
+    swa_ttl_s: float = DEFAULT_SWA_TTL_S
+    """How long a hybrid model's sliding windows stay readable in the SWA tier (the instance that
+    computed one keeps it, the store names it); past it a prompt replays its window."""
     kv_transport: str = "auto"
     """How engines and store nodes read each other's KV: auto (shared memory on this machine),
     shm, tcp (over TCP, as between machines) or nixl (NIXL over UCX, where it is installed)."""
@@ -114,6 +118,7 @@ class UpConfig:
         check(0 <= self.decode_nice <= 19, "decode_nice", "must be in 0..19")
         check(self.prefills >= 1, "prefills", "needs at least one prefill instance")
         check(self.decodes >= 1, "decodes", "needs at least one decode instance")
+        check(self.swa_ttl_s > 0, "swa_ttl_s", "must be > 0")
         check(self.kv_transport in TRANSPORT_CHOICES, "kv_transport", f"must be one of {', '.join(TRANSPORT_CHOICES)}")
         check(0 <= self.port <= 65535, "port", "must be in 0..65535")
         check(self.kvstores >= 0, "kvstores", "must be >= 0")

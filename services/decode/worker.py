@@ -219,7 +219,7 @@ class _WriteBack:
         if self.store is None:
             return
         if is_finished:
-            self.store.push_soon(token_ids, self.images, self.spec.cache_salt, self.spec.request_class)
+            self.store.push_soon(token_ids, self.images, self.spec.cache_salt, self.spec.request_class, window=True)
             return
         num_blocks = (len(token_ids) - 1) // self.block_size
         if num_blocks > self.num_blocks and (self.writing is None or self.writing.done()):

@@ -111,7 +111,8 @@ class LLMEngine:
                                   batch_invariant=config.batch_invariant,
                                   cpu_threads=parse_cpus(config.cpu_threads), nice=config.nice,
                                   num_window_blocks=num_window_total)
-        self.prefix = PrefixSeam(self.block_manager, self.runner, self.root_for)
+        self.prefix = PrefixSeam(self.block_manager, self.runner, self.root_for,
+                                 self.kv.managers[1] if num_window else None)
         """Full blocks by hash between this pool and other engines or the KV store."""
         self.grammar_compiler = GrammarCompiler(self.tokenizer, cfg.vocab_size, eos) if self.tokenizer else None
         self._states: dict[RequestId, OutputState] = {}

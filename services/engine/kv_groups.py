@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstore.hit_rule import ModelKVShape, hit_tokens
+
 from services.engine.block_manager import NULL_BLOCK, BlockManager, SlidingWindowBlockManager
 from services.engine.sequence import BlockId, Sequence
 
@@ -58,9 +60,10 @@ class KVGroups:
         assert [m.group for m in managers] == list(range(len(managers))), "one manager per group, in order"
         assert 1 <= len(managers) <= 2 and not isinstance(managers[0], SlidingWindowBlockManager)
         self.managers = managers
-        self.replay_tokens = replay_tokens
         self.block_size = managers[0].block_size
         self._windows = [m for m in managers if isinstance(m, SlidingWindowBlockManager)]
+        self.shape = ModelKVShape(self._windows[0].window if self._windows else None, replay_tokens)
+        """What the hit rule (kvstore/hit_rule.py) needs to know of the model."""
 
     @property
     def full(self) -> BlockManager:
@@ -72,17 +75,18 @@ class KVGroups:
         [0, L) and the window group those the query at L sees, [L - W + 1, L). At least one
         token is left to compute (BlockManager.get_computed_blocks).
 
-        Where the full group holds more, up to L1, than any window allows, a bounded replay from
-        L1 - replay_tokens skips more when it starts later than L (the SWA hit rule)."""
+        Where the full group holds more, up to L1, than any window allows, the hit rule
+        (kvstore/hit_rule.py) restarts at L1 - replay_tokens: taken when later than L."""
         full_hits = self.full.get_computed_blocks(seq)
         if not self._windows:
             return PrefixHit(len(full_hits) * self.block_size, (full_hits,))
         bs = self.block_size
         window_table = self._windows[0].window_hits(seq, len(full_hits))
         num_blocks = len(window_table)
-        replay_from = (len(full_hits) * bs - self.replay_tokens) // bs
-        if self.replay_tokens and replay_from > num_blocks:
-            return PrefixHit(replay_from * bs, (full_hits, [NULL_BLOCK] * replay_from), len(full_hits) * bs)
+        l1 = len(full_hits) * bs
+        start = hit_tokens(len(seq), bs, len(full_hits), self.shape, lambda end: end == num_blocks * bs)
+        if start < l1 and start > num_blocks * bs:
+            return PrefixHit(start, (full_hits, [NULL_BLOCK] * (start // bs)), l1)
         return PrefixHit(num_blocks * bs, (full_hits[:num_blocks], window_table))
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,

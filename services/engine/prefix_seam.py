@@ -8,6 +8,14 @@ with its request: detach, reserve_kv, commit_kv) is the engine's own (engine.py)
     export_kv       the cached full blocks of a prompt, pinned until release
     import_kv       blocks copied into the pool and its prefix cache
     block_buffer    one block's bytes, what a transfer reads or writes
+
+A hybrid model's sliding windows (the SWA tier, serving/swa_tier.py) by the position they end at:
+
+    window_positions  the blocks of the window that the query at ``end`` sees
+    export_window     those blocks, pinned in the window pool until release_window; None if any
+                      was evicted
+    reserve_window    window-pool blocks for a window arriving from elsewhere, then
+    fill_window       made findable (when it arrived) and unpinned
 """
 
 from __future__ import annotations
@@ -19,20 +27,23 @@ import torch
 
 from kvstore.hashing import BlockHash, block_hashes
 from services.common.sampling_params import SamplingParams
-from services.engine.block_manager import BlockManager
+from services.engine.block_manager import BlockManager, SlidingWindowBlockManager
 from services.engine.model_runner import ModelRunner
 from services.engine.seams import KVBlock, KVExport, KVReservation
 from services.engine.sequence import BlockId, MultiModalInput, RequestId, Sequence
 
 
 class PrefixSeam:
-    def __init__(self, block_manager: BlockManager, runner: ModelRunner, root_for: Callable[[str], BlockHash]) -> None:
+    def __init__(self, block_manager: BlockManager, runner: ModelRunner, root_for: Callable[[str], BlockHash],
+                 window_manager: SlidingWindowBlockManager | None = None) -> None:
         """``block_manager``: the pool's (a hybrid model's full-attention pool: its prefixes are
         full-attention blocks only; a hit without the sliding windows is a bounded replay,
-        kv_groups.PrefixHit); ``root_for``: the first block's parent hash for a cache salt."""
+        kv_groups.PrefixHit); ``window_manager``: a hybrid model's window pool; ``root_for``: the
+        first block's parent hash for a cache salt."""
         self.block_manager = block_manager
         self.runner = runner
         self.root_for = root_for
+        self.window_manager = window_manager
 
     def block_buffer(self, block_id: BlockId, group: int = 0) -> torch.Tensor:
         """One block's KV bytes in a group's pool (contiguous), what a transfer reads or writes."""
@@ -99,3 +110,48 @@ class PrefixSeam:
             self.runner.write_block(block_id, block.data)
         self.block_manager.unpin([s for _, s in written])
         return len(written)
+
+    # ----- a hybrid model's sliding windows --------------------------------------------------
+    def window_positions(self, end: int) -> range:
+        """Blocks of a prompt whose window-pool KV the query at ``end`` (block-aligned) sees."""
+        return range(self.window_manager.num_out_of_window(end), end // self.block_manager.block_size)
+
+    def _cached_window(self, token_ids: list[int], hashes: list[BlockHash], end: int) -> list[BlockId] | None:
+        bs, window = self.block_manager.block_size, self.window_manager
+        found = [window.lookup(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs])) for i in self.window_positions(end)]
+        return None if None in found else found
+
+    def has_window(self, token_ids: list[int], hashes: list[BlockHash], end: int) -> bool:
+        return self._cached_window(token_ids, hashes, end) is not None
+
+    def export_window(self, token_ids: list[int], hashes: list[BlockHash], end: int) -> KVExport | None:
+        """Pin and expose the window pool's blocks of the window ending at ``end``; None (nothing
+        pinned) when one of them is no longer cached."""
+        ids = self._cached_window(token_ids, hashes, end)
+        if ids is None:
+            return None
+        self.window_manager.pin(ids)
+        bs = self.block_manager.block_size
+        return KVExport([KVBlock(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]), self.runner.block_view(b, 1))
+                         for i, b in zip(self.window_positions(end), ids)], ids)
+
+    def release_window(self, export: KVExport) -> None:
+        self.window_manager.unpin(export.block_ids)
+        export.block_ids = []
+
+    def reserve_window(self, end: int) -> KVReservation | None:
+        """Window-pool blocks, pinned, for the window ending at ``end`` (its ``window_block_ids``);
+        None: no room now."""
+        ids = self.window_manager.allocate_blocks(len(self.window_positions(end)))
+        return None if ids is None else KVReservation([], 0, ids)
+
+    def fill_window(self, reservation: KVReservation, token_ids: list[int], hashes: list[BlockHash], end: int,
+                    arrived: bool) -> None:
+        """The reserved window blocks hold the window's KV (``arrived``): the prefix cache finds
+        them from now on; either way every one is unpinned."""
+        ids, bs = reservation.window_block_ids, self.block_manager.block_size
+        if arrived:
+            self.window_manager.register(ids, [(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]))
+                                               for i in self.window_positions(end)])
+        self.window_manager.unpin(ids)
+        reservation.window_block_ids = []

@@ -193,6 +193,32 @@ class StoreClient:
         replies = await asyncio.gather(*(self._call(a, "HasWindow", key) for a in self._live(self.entry_addresses)))
         return any(r is not None and r.found for r in replies)
 
+    async def put_window(self, sequence_hash: bytes, window_end: int, handle: KVHandle) -> bool:
+        """Publish where a window's KV can be read (an instance's SWA region) on the node its
+        sequence hash places it on; False when no node took it."""
+        address = await self._window_node(sequence_hash)
+        request = kvstore_pb2.PutWindowRequest(key=kvstore_pb2.WindowKey(sequence_hash=sequence_hash,
+                                                                         window_end=window_end),
+                                               data=kv_handle_to_proto(handle).SerializeToString())
+        return address is not None and await self._call(address, "PutWindow", request) is not None
+
+    async def get_window(self, sequence_hash: bytes, window_end: int) -> KVHandle | None:
+        """Where the window's KV can be read, if a live entry says so (a hit renews it)."""
+        address = await self._window_node(sequence_hash)
+        if address is None:
+            return None
+        reply = await self._call(address, "GetWindow", kvstore_pb2.WindowKey(sequence_hash=sequence_hash,
+                                                                               window_end=window_end))
+        if reply is None or not reply.found:
+            return None
+        return kv_handle_from_proto(kvstore_pb2.KVHandle.FromString(reply.data))
+
+    async def _window_node(self, sequence_hash: bytes) -> str | None:
+        nodes = await self.nodes()
+        if not nodes:
+            return None
+        return nodes[place(sequence_hash, sorted(nodes), 1)[0]]
+
     async def nodes(self) -> dict[str, str]:
         """node id -> address of the live store nodes (refreshed every ``refresh_s``)."""
         if time.monotonic() - self._nodes_at >= self.refresh_s:

@@ -93,7 +93,7 @@ class PrefillWorker:
                     seam.release(last)
                 raise
         if store is not None:
-            store.push_soon(prompt, images, spec.cache_salt, spec.request_class)
+            store.push_soon(prompt, images, spec.cache_salt, spec.request_class, window=True)
         if not isinstance(last, Handoff):
             return PrefillResponse(last.token_ids[0], last.finish_reason, last.stop_reason,
                                    last.num_cached_tokens, None, (last.logprobs or [None])[0])

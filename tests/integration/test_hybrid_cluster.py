@@ -5,6 +5,8 @@ the output equals one engine's every time, and nothing stays held."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -14,6 +16,7 @@ from tests.factories import make_tiny_chat_model_dir, random_prompts
 
 BLOCK, WINDOW = 16, 24
 REPLAY = 2 * (WINDOW - 1)  # two sliding-window layers
+SWA_TTL_S = 6.0
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +30,7 @@ def hybrid_chat_dir(tmp_path_factory, smollm2_dir):
 def cluster(hybrid_chat_dir):
     with running_cluster(str(hybrid_chat_dir), encoders=0, prefills=2, decodes=1, kv_cache_gib=0.05,
                          max_num_batched_tokens=64, device="cpu", kvstores=1,
-                         prefill_policy="round_robin") as running:
+                         prefill_policy="round_robin", swa_ttl_s=SWA_TTL_S) as running:
         yield running
 
 
@@ -59,3 +62,54 @@ def test_the_hand_over_moves_the_window_and_decode_continues_as_one_engine(clust
         assert complete(cluster, prompt)[0] == tokens, len(prompt)
     assert cluster.metric("decode", "epd_kv_handover_path_total", path="direct") >= 3
     assert cluster.metric("decode", "epd_kv_handover_path_total", path="recompute") == 0
+
+
+def wait_for(condition, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def published(cluster) -> float:
+    return cluster.metric("prefill", "epd_swa_windows_total", event="published")
+
+
+def test_the_other_prefill_hits_the_block_kv_and_the_window_then_replays_once_it_expired(cluster, hybrid_chat_dir):
+    prompts = random_prompts(2, [1000, 1000], vocab=49152, seed=41)
+    cold = one_engine(hybrid_chat_dir, prompts)
+    l1 = (1000 - 1) // BLOCK * BLOCK  # 992: every full block but the last token's
+    replay_start = (l1 - REPLAY) // BLOCK * BLOCK  # 944
+    for prompt, expected in zip(prompts, cold):
+        before = published(cluster)
+        pulled = cluster.metric("prefill", "epd_swa_windows_total", event="pulled")
+        first, cached = complete(cluster, prompt)
+        assert (first, cached) == (expected, 0)
+        assert wait_for(lambda: published(cluster) > before)  # written back after the reply
+        assert wait_for(lambda: sum(s.num_blocks for s in cluster.store_stats()) >= 62)
+        if prompt is prompts[0]:
+            # Round robin: the other prefill, whose pools never saw the prompt, takes the block
+            # KV from the store and the window from the first prefill's SWA region.
+            second, cached = complete(cluster, prompt)
+            assert (second, cached) == (expected, l1)
+            assert cluster.metric("prefill", "epd_swa_windows_total", event="pulled") == pulled + 1
+        else:
+            # The window outlives its TTL nowhere: the other prefill replays the last 46 tokens
+            # before L1 from the block KV, and computes only from there.
+            time.sleep(SWA_TTL_S + 0.5)
+            missed = cluster.metric("prefill", "epd_swa_windows_total", event="missed")
+            second, cached = complete(cluster, prompt)
+            assert (second, cached) == (expected, replay_start)
+            assert cluster.metric("prefill", "epd_swa_windows_total", event="missed") == missed + 1
+
+
+def test_the_next_turn_hits_the_window_decode_published(cluster, hybrid_chat_dir):
+    prompt = random_prompts(1, [300], vocab=49152, seed=43)[0]
+    before = cluster.metric("decode", "epd_swa_windows_total", event="published")
+    answer, _ = complete(cluster, prompt, max_tokens=40)
+    assert wait_for(lambda: cluster.metric("decode", "epd_swa_windows_total", event="published") > before)
+    num_with_kv = len(prompt) + len(answer) - 1  # the last token has no KV yet
+    next_turn = prompt + answer + random_prompts(1, [20], vocab=49152, seed=44)[0]
+    tokens, cached = complete(cluster, next_turn, max_tokens=8)
+    assert cached == num_with_kv // BLOCK * BLOCK  # the blocks decode wrote, and its window
+    assert tokens == one_engine(hybrid_chat_dir, [next_turn], max_tokens=8)[0]

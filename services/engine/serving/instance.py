@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kvstore.swa import DEFAULT_SWA_TTL_S
 from kvstore.transfer.engine import TRANSPORT_CHOICES, TransferEngine
 from kvstore.transfer.memory import MemoryRegion
 from services.common.config import check
@@ -35,6 +36,7 @@ from services.engine.serving.async_engine import AsyncEngine
 from services.engine.serving.seam import EngineSeam
 from services.engine.serving.staging import StagingArea
 from services.engine.serving.store_connector import StoreConnector
+from services.engine.serving.swa_tier import SWATier
 
 logger = logging.getLogger(__name__)
 KV_STAGING_CHOICES = ("auto", "on", "off")
@@ -71,6 +73,12 @@ class ServingConfig(EngineConfig, ServerOptions):
     kv_staging_mib: int = 256
     """Size of the staging region (at most the pool's size): KV of hand-overs not yet read and of
     store reads and writes in flight; when it is full they fall back to recompute."""
+    swa_windows: int = 256
+    """Sliding windows this instance keeps for other instances to read (a hybrid model with a KV
+    store: the SWA tier, swa_tier.py); the oldest expired one goes first, then the least used."""
+    swa_ttl_s: float = DEFAULT_SWA_TTL_S
+    """How long this instance keeps a window unless evicted (the store's --swa-ttl-s names it
+    for as long as its own)."""
 
     def __post_init__(self) -> None:
         EngineConfig.__post_init__(self)
@@ -81,6 +89,8 @@ class ServingConfig(EngineConfig, ServerOptions):
         check(self.kvstore_timeout_s > 0, "kvstore_timeout_s", "must be > 0")
         check(self.kv_staging in KV_STAGING_CHOICES, "kv_staging", f"must be one of {', '.join(KV_STAGING_CHOICES)}")
         check(self.kv_staging_mib >= 1, "kv_staging_mib", "must be >= 1")
+        check(self.swa_windows >= 1, "swa_windows", "must be >= 1")
+        check(self.swa_ttl_s > 0, "swa_ttl_s", "must be > 0")
 
 
 class EngineInstance:
@@ -120,8 +130,11 @@ class EngineInstance:
         if config.kvstore:
             from services.kvstore.client import StoreClient
 
-            self.store = StoreConnector(self.seam, StoreClient(config.kvstore, config.kvstore_replicas,
-                                                               timeout_s=config.kvstore_timeout_s))
+            client = StoreClient(config.kvstore, config.kvstore_replicas, timeout_s=config.kvstore_timeout_s)
+            swa = None
+            if self.seam.sliding_window is not None and self.region is not None:
+                swa = SWATier(self.seam, self.transfer, client, self.instance_id, config.swa_windows, config.swa_ttl_s)
+            self.store = StoreConnector(self.seam, client, swa)
 
     def _allocate_region(self, num_bytes: int):
         self.region = MemoryRegion.allocate(num_bytes, region_id=f"{self.instance_id}-kv")

@@ -17,6 +17,10 @@ The prefill and decode workers and the store connector reach their engine only t
               | recompute(reservation)        nothing usable did: the engine computes it
             (aborting a held request also ends its reservation)
 
+    a hybrid model's sliding windows, by the position they end at (swa_tier.py)
+        export_window / release_window      lending, as export_prefix
+        reserve_window --> read --> fill_window    taking in, as a prefix
+
 A pool the transfer engine cannot reach (a CUDA pool; ``--kv-staging on`` on the CPU) moves its
 blocks through a :class:`StagingArea` instead: an export copies them into staging slots (the
 pool blocks go back at once, the slots at release) and a read lands in staging slots, then is
@@ -272,6 +276,40 @@ class EngineSeam:
         else:
             await self._engine.call(self._llm.prefix.fill_prefix, reservation.blocks, reservation.token_ids,
                                     reservation.hashes, list(rest if filled is None else filled))
+
+    # ----- a hybrid model's sliding windows (swa_tier.py) ----------------------------------
+    @property
+    def sliding_window(self) -> int | None:
+        return self._llm.model_config.sliding_window if self._llm.window_block_bytes else None
+
+    @property
+    def window_block_bytes(self) -> int:
+        """A window-pool block's bytes; 0 for a model without sliding-window layers."""
+        return self._llm.window_block_bytes
+
+    def window_positions(self, end: int) -> range:
+        return self._llm.prefix.window_positions(end)
+
+    async def has_window(self, token_ids: list[int], hashes: list[BlockHash], end: int) -> bool:
+        return await self._engine.call(self._llm.prefix.has_window, token_ids, hashes, end)
+
+    async def export_window(self, token_ids: list[int], hashes: list[BlockHash], end: int) -> KVExport | None:
+        """The window pool's blocks of the window ending at ``end``, pinned until
+        :meth:`release_window`; None when one was evicted."""
+        return await self._engine.call(self._llm.prefix.export_window, token_ids, hashes, end)
+
+    def release_window(self, export: KVExport) -> None:
+        self._engine.call_soon(self._llm.prefix.release_window, export)
+
+    async def reserve_window(self, token_ids: list[int], hashes: list[BlockHash], end: int) -> Reservation | None:
+        """Window-pool blocks for a window read from elsewhere (:meth:`read` fills them, its
+        positions 0..); end it with :meth:`fill_window`. None: no room now."""
+        blocks = await self._engine.call(self._llm.prefix.reserve_window, end)
+        return None if blocks is None else Reservation(blocks, token_ids=token_ids, hashes=hashes)
+
+    async def fill_window(self, reservation: Reservation, end: int, arrived: bool) -> None:
+        await self._engine.call(self._llm.prefix.fill_window, reservation.blocks, reservation.token_ids,
+                                reservation.hashes, end, arrived)
 
     async def recompute(self, reservation: Reservation) -> None:
         """Nothing usable arrived: the blocks go back and the engine computes the KV itself (a

@@ -56,9 +56,11 @@ class StagingSlots:
     """Free-list allocator of ``num_slots`` fixed-size slots; thread-safe (a lease's expiry
     frees from wherever it runs)."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, in_use: metrics.Gauge | None = None) -> None:
+        """``in_use``: the gauge of slots held (default: the staging region's)."""
         assert num_slots > 0, num_slots
         self.num_slots = num_slots
+        self._in_use = in_use or STAGING_SLOTS_IN_USE
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self._lock = threading.Lock()
 
@@ -72,7 +74,7 @@ class StagingSlots:
             if n > len(self._free):
                 return None
             slots = [self._free.pop() for _ in range(n)]
-        STAGING_SLOTS_IN_USE.inc(n)
+        self._in_use.inc(n)
         return SlotLease(slots)
 
     def free(self, lease: SlotLease) -> None:
@@ -82,24 +84,26 @@ class StagingSlots:
                 return
             lease.is_freed = True
             self._free.extend(reversed(lease.slots))
-        STAGING_SLOTS_IN_USE.dec(len(lease.slots))
+        self._in_use.dec(len(lease.slots))
 
 
 class StagingArea:
     """The staging region (registered with the transfer engine by its owner), its slots, and the
     copies between slots and pool blocks."""
 
-    def __init__(self, region: MemoryRegion, block_bytes: int, pin: bool = False) -> None:
+    def __init__(self, region: MemoryRegion, block_bytes: int, pin: bool = False,
+                 in_use: metrics.Gauge | None = None) -> None:
         self.region = region
         self.block_bytes = block_bytes
-        self.slots = StagingSlots(region.length // block_bytes)
+        self.slots = StagingSlots(region.length // block_bytes, in_use)
         self._pinned_ptr = _pin(region.buffer) if pin else None
 
     @classmethod
-    def allocate(cls, num_bytes: int, block_bytes: int, region_id: str, pin: bool = False) -> StagingArea:
+    def allocate(cls, num_bytes: int, block_bytes: int, region_id: str, pin: bool = False,
+                 in_use: metrics.Gauge | None = None) -> StagingArea:
         """A region of ``num_bytes`` rounded down to whole slots (at least one)."""
         num_slots = max(1, num_bytes // block_bytes)
-        return cls(MemoryRegion.allocate(num_slots * block_bytes, region_id=region_id), block_bytes, pin)
+        return cls(MemoryRegion.allocate(num_slots * block_bytes, region_id=region_id), block_bytes, pin, in_use)
 
     @property
     def region_id(self) -> str:

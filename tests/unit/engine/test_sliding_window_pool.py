@@ -8,6 +8,7 @@ full-attention blocks grow with it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -257,7 +258,7 @@ def test_a_replay_shorter_than_the_bound_is_not_exact(loaded):
     prompt = random_prompts(1, [1000], seed=8)[0]
     first = first_logprobs(eng, prompt)
     run(eng, random_prompts(1, [300], seed=9), 4)
-    eng.kv.replay_tokens = 23
+    eng.kv.shape = dataclasses.replace(eng.kv.shape, replay_tokens=23)
     short = first_logprobs(eng, prompt)
     assert short.num_cached_tokens == 960
     assert max(abs(a[1] - b[1]) for a, b in zip(short.logprobs[0].top, first.logprobs[0].top)) > 1e-5
