@@ -122,8 +122,11 @@ static inline __attribute__((always_inline)) void prefill_tile(
     for (int64_t d = 0; d < D; d++) ot[d][0] = ot[d][1] = splat(0.f);
     for (int v = 0; v < 2; v++) { m[v] = splat(MASKED); l[v] = splat(0.f); }
     const int64_t ctx = max_pos + 1;
-    /* A key before lo lies outside every lane's window; one before hi outside some lane's. */
-    const int64_t lo = window > 0 && min_pos + 1 > window ? min_pos + 1 - window : 0;
+    /* A key before lo lies outside every lane's window; one before hi outside some lane's. lo
+     * starts a CHUNK that starts at a multiple of CHUNK, as without a window: a query's keys then
+     * fall into the same softmax updates whatever other queries share its tile (the chunking of
+     * its prompt, the rest of the batch), so its bits do not depend on them. */
+    const int64_t lo = window > 0 && min_pos + 1 > window ? (min_pos + 1 - window) / CHUNK * CHUNK : 0;
     const int64_t hi = window > 0 ? max_pos + 1 - window : 0;
     for (int64_t c0 = lo; c0 < ctx; c0 += CHUNK) {
         const int64_t nt = ctx - c0 < CHUNK ? ctx - c0 : CHUNK;

@@ -3,7 +3,8 @@
 The probe is a request's top-20 logprobs at every token (log_softmax of the raw logits: any
 change in any logit moves them all), compared with ``==``, not a tolerance. It runs alone and in
 batches of 7 and 32 mixed requests under a small token budget, so its prompt is chunked
-differently and its decode steps share the batch with prefill chunks of others.
+differently and its decode steps share the batch with prefill chunks of others; on a plain model
+and on a hybrid one (sliding-window layers).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 
 from services.common.config import ConfigError
 from services.engine import LLM, SamplingParams
-from tests.factories import random_prompts
+from tests.factories import make_tiny_model_dir, random_prompts
 
 PROBE = random_prompts(1, [150], seed=99)[0]
 OTHERS = random_prompts(31, [5 + 13 * i for i in range(31)], seed=4)
@@ -24,15 +25,29 @@ def probe_logprobs(llm: LLM, num_others: int, params: SamplingParams) -> list:
     return [(lp.token_id, lp.logprob, lp.top) for lp in probe.logprobs]
 
 
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    """Sliding-window layers (window 24, well inside the probe's 150 tokens) around a full one."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("hybrid-bi"), "qwen2", seed=5, num_hidden_layers=3,
+                               use_sliding_window=True, sliding_window=24,
+                               layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "hybrid_dir"])
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=20),
     SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True, logprobs=20),
 ], ids=["greedy", "seeded"])
-def test_a_requests_logits_are_bit_identical_alone_and_in_batches_of_7_and_32(tiny_llama_dir, params):
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=1024, max_num_batched_tokens=64, batch_invariant=True)
+def test_a_requests_logits_are_bit_identical_alone_and_in_batches_of_7_and_32(request, model, params):
+    model_dir = request.getfixturevalue(model)
+    llm = LLM(str(model_dir), num_kv_blocks=1024, max_num_batched_tokens=64, batch_invariant=True)
     alone = probe_logprobs(llm, 0, params)
     assert probe_logprobs(llm, 6, params) == alone
     assert probe_logprobs(llm, 31, params) == alone
+    # Alone again, its prompt chunked at other positions (37-token chunks): the sliding-window
+    # layers' keys too fall into the same softmax updates (paged_prefill.c's lo).
+    other_chunks = LLM(str(model_dir), num_kv_blocks=1024, max_num_batched_tokens=37, batch_invariant=True)
+    assert probe_logprobs(other_chunks, 0, params) == alone
 
 
 def test_without_the_mode_the_same_probe_differs(tiny_llama_dir):

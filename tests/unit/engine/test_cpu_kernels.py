@@ -180,3 +180,20 @@ def test_the_build_is_cached_and_leaves_floating_point_modes_alone(tmp_path, ker
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
     # Linking with -ffast-math would have turned on flush-to-zero for the whole process.
     assert (torch.tensor([1e-38]) * torch.tensor([1e-3])).item() != 0.0
+
+
+@pytest.mark.parametrize("window", [0, 21, 40])
+def test_a_querys_bits_do_not_depend_on_how_its_prompt_was_chunked(kernels, window):
+    """What batch-invariant mode rests on: the same query over the same context, in chunks
+    that start elsewhere (so its tile holds other queries), gives the same bits, windowed or not."""
+    rng = random.Random(11)
+    kv, q, k, v, step = _random_step(rng, 9, 3, 64, 16, 2, [(100, 40)])
+    cpu_ = torch.device("cpu")
+    meta = build_metadata(step, 16, 2, cpu_, kernels)
+    store_kv(k, v, kv, 1, meta)
+    whole = paged_attention(q, k, v, kv, 1, meta, 0.125, window)
+    table = step[0][2]
+    for skip in (1, 7, 10, 23):
+        part = build_metadata([(100 + skip, 40 - skip, table)], 16, 2, cpu_, kernels)
+        got = paged_attention(q[skip:], k[skip:], v[skip:], kv, 1, part, 0.125, window)
+        assert torch.equal(got, whole[skip:]), (window, skip)
