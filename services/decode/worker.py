@@ -160,7 +160,7 @@ class DecodeWorker:
         """Read the prompt's KV into the reserved blocks past the local hits (and a hybrid
         model's window KV into its window blocks); False when it must be recomputed."""
         seam = self.instance.seam
-        if [b.length for b in kv.blocks] != seam.slot_bytes(reservation):
+        if [b.length for b in kv.blocks] != seam.position_bytes(reservation):
             logger.warning("KV handle %s does not match this engine's layout: recomputing", kv.lease_id)
             return False
         skip = reservation.num_local_blocks

@@ -66,7 +66,7 @@ class Reservation:
         return self.blocks.num_local_blocks
 
     @property
-    def slots(self) -> list[tuple[int, BlockId]]:
+    def positions(self) -> list[tuple[int, BlockId]]:
         """(KV group, block) of each position a read may fill: the prompt's blocks, then a
         hybrid model's window blocks (a hand-over's handle lists them in the same order)."""
         return [(0, b) for b in self.blocks.block_ids] + [(1, b) for b in self.blocks.window_block_ids]
@@ -109,10 +109,10 @@ class EngineSeam:
         """A full-attention block's (every layer's, for a plain model): what the KV store holds."""
         return self._llm.kv_block_bytes
 
-    def slot_bytes(self, reservation: Reservation) -> list[int]:
-        """The size of each of a reservation's slots: what a hand-over's handle must list."""
+    def position_bytes(self, reservation: Reservation) -> list[int]:
+        """The size of each of a reservation's positions: what a hand-over's handle must list."""
         sizes = (self._llm.kv_block_bytes, self._llm.window_block_bytes)
-        return [sizes[group] for group, _ in reservation.slots]
+        return [sizes[group] for group, _ in reservation.positions]
 
     @property
     def has_host_pool(self) -> bool:
@@ -242,9 +242,9 @@ class EngineSeam:
         return self._transfer.select_transport(handle) or "none"
 
     async def read(self, reservation: Reservation, handle: KVHandle, positions: Sequence[int]) -> str | None:
-        """Read ``handle.blocks[i]`` one-sided into the reservation's slot at ``positions[i]``
-        (Reservation.slots); the error, or None when every block arrived (see :func:`read_kv`)."""
-        where = reservation.slots
+        """Read ``handle.blocks[i]`` one-sided into the reservation's block at ``positions[i]``
+        (Reservation.positions); the error, or None when every block arrived (see :func:`read_kv`)."""
+        where = reservation.positions
         destinations = [self._llm.prefix.block_buffer(where[p][1], where[p][0]) for p in positions]
         if self.staging is None:
             return await read_kv(self._transfer, handle, [d.numpy() for d in destinations])
