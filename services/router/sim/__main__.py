@@ -6,10 +6,11 @@
 
 A discrete-event simulation: prefill and decode instances with the reference cost models
 (``services/common/cost_model.py``), prefix hits from the trace's hash ids through the KV store's
-own index (``kvstore/index.py``), and routing by the very policy classes the router runs
-(``services/router/policies``, imported, never copied). ``--policy spec`` (the default) is the
-SPEC balancers, prefill_buckets for prefill and decode_balance for decode; a baseline name
-(round_robin, least_requests, power_of_two, cache_aware) routes both stages.
+own index (``kvstore/index.py``; with ``--sliding-window``, a hybrid model, also its SWA tier for
+``--swa-ttl-s`` and the hit rule of ``kvstore/hit_rule.py``), and routing by the very policy
+classes the router runs (``services/router/policies``, imported, never copied). ``--policy spec``
+(the default) is the SPEC balancers, prefill_buckets for prefill and decode_balance for decode; a
+baseline name (round_robin, least_requests, power_of_two, cache_aware) routes both stages.
 
 ``--load X`` time-scales the trace so the work it offers is X times what the perfectly balanced
 cluster can do in the trace's span (1.0: saturated; ``services/router/sim/work.py``), and the
@@ -43,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvstore.hit_rule import ModelKVShape
 from services.router.planner.config import PlannerConfig
 from services.router.sim.cluster import SPEC, SimConfig, policy_names
 from services.router.sim.experiment import evaluate, prepare
@@ -84,6 +86,12 @@ def parser() -> argparse.ArgumentParser:
                    help="blocks the shared KV store index holds")
     p.add_argument("--hits-at", choices=("start", "arrival"), default="start",
                    help="when a prefill's KV store hit is looked up (see SimConfig.hits_at)")
+    p.add_argument("--sliding-window", type=int, default=None,
+                   help="a hybrid model's sliding window in tokens: hits also need its SWA window (default: none)")
+    p.add_argument("--replay-tokens", type=int, default=0,
+                   help="tokens a hit without its SWA window recomputes (the reference: 20 * 127 = 2540)")
+    p.add_argument("--swa-ttl-s", type=float, default=SimConfig.swa_ttl_s,
+                   help="seconds the KV store's SWA tier keeps a window (a hybrid model)")
     p.add_argument("--round-s", type=float, default=None,
                    help="prefill buckets' round period (default: the live 10 s x the trace's time factor)")
     p.add_argument("--report-interval-s", type=float, default=None,
@@ -99,6 +107,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-s", type=float, default=SimConfig.startup_s,
                    help="seconds an instance started by the planner loads before it serves")
     return p
+
+
+def kv_shape(args: argparse.Namespace) -> ModelKVShape:
+    if args.sliding_window is not None and args.sliding_window < 1:
+        raise ValueError(f"--sliding-window must be >= 1 (got {args.sliding_window})")
+    if args.replay_tokens < 0 or (args.replay_tokens and args.sliding_window is None):
+        raise ValueError(f"--replay-tokens must be >= 0, and needs --sliding-window (got {args.replay_tokens})")
+    return ModelKVShape(args.sliding_window, args.replay_tokens)
 
 
 def planner_config(args: argparse.Namespace) -> PlannerConfig | None:
@@ -146,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         config = SimConfig(num_prefill, num_decode, costs, args.kv_capacity_blocks, hits_at=args.hits_at,
                            report_interval_s=SimConfig.report_interval_s if args.report_interval_s is None
                            else args.report_interval_s, decode_kv_capacity_tokens=args.decode_kv_capacity_tokens,
-                           startup_s=args.startup_s)
+                           startup_s=args.startup_s, kv_shape=kv_shape(args), swa_ttl_s=args.swa_ttl_s)
         requests = load_trace(args.trace, args.limit)
         started = time.perf_counter()
         experiment = prepare(requests, config, 1.0 if args.load is None and not args.autoscale else args.load)

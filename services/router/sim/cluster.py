@@ -5,32 +5,30 @@ Life cycle of a request in the simulation::
 
     arrival (router looks the prefix up) ──> prefill placer (a queueing policy: the request
     waits in the router's queue until it dispatches it) ──> prefill queue ──> prefill (KV store
-    hit looked up again when it starts; its new blocks stored when it ends; first token out;
-    the router releases it) ──> decode placer picks ──> decode batch (joins at the next step
-    boundary) ──> last token
+    hit looked up again when it starts; its new blocks, and SWA window, stored when it ends;
+    first token out; the router releases it) ──> decode placer picks ──> decode batch (joins at
+    the next step boundary) ──> last token
 
-Routing is the live router's, not a copy of it: one
-:class:`~services.router.policies.placer.Placer` per role (views, the router's queues, dispatch,
-wake-ups) over one :class:`~services.router.policies.estimate.LoadEstimate` per instance, with
-the simulation clock. So policies see what the live router sees: each simulated instance sends
-a load report every ``SimConfig.report_interval_s`` (the live 0.5 s, scaled with the trace by
-``experiment.py``), and between reports the estimate drains the reported queued compute at one
-second per second and adds what the router sent since, priced by the reference cost model
-scaled to what the instance's report says of its own queue. Dispatch runs when the live pool
-runs it: on an arrival, a prefill load report, a finished prefill (its release), and at the
-policy's wake-up. The prefix hits come from one shared ``kvstore.index.EmbeddedIndex`` (the KV
-store: any prefill instance hits any prefix) on the simulation clock; the router's lookup at
-arrival fills ``RequestView.num_cached_tokens``.
+Routing is the live router's, not a copy of it: one :class:`~services.router.policies.placer.Placer`
+per role (views, the router's queues, dispatch, wake-ups) over one
+:class:`~services.router.policies.estimate.LoadEstimate` per instance, with the simulation clock. So
+policies see what the live router sees: each simulated instance sends a load report every
+``SimConfig.report_interval_s`` (the live 0.5 s, scaled with the trace by ``experiment.py``), and
+between reports the estimate drains the reported queued compute at one second per second and adds
+what the router sent since, priced by the reference cost model scaled to what the instance's report
+says of its own queue. Dispatch runs when the live pool runs it: on an arrival, a prefill load
+report, a finished prefill (its release), and at the policy's wake-up. The prefix hits come from one
+shared KV store on the simulation clock (``hits.py``: block KV, and a hybrid model's SWA windows);
+the router's lookup at arrival fills ``RequestView.num_cached_tokens``.
 
-Events at the same instant run decode finishes first, then prefill ends, then load reports,
-then arrivals, then wake-ups, then the planner's tick, so a report never shows work that is
-already over.
+Events at the same instant run decode finishes first, then prefill ends, then load reports, then
+arrivals, then wake-ups, then the planner's tick, so a report never shows work that is already over.
 
-**Membership** (the autoscaled cluster, ``scaling.py``): an instance added while the run goes
-joins its placer at once but gets no work before its first load report, which comes
-``SimConfig.startup_s`` after it was started (model load); a retired one takes no new work,
-finishes what it holds and is removed when idle (at once if it was still starting). Each
-instance's lifetime (``instances.Lifetime``) is what its instance-seconds are counted over.
+**Membership** (the autoscaled cluster, ``scaling.py``): an instance added while the run goes joins
+its placer at once but gets no work before its first load report, which comes
+``SimConfig.startup_s`` after it was started (model load); a retired one takes no new work, finishes
+what it holds and is removed when idle (at once if it was still starting). Each instance's lifetime
+(``instances.Lifetime``) is what its instance-seconds are counted over.
 """
 
 from __future__ import annotations
@@ -43,33 +41,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvstore.index import DEFAULT_CAPACITY_BLOCKS, EmbeddedIndex
+from kvstore.hit_rule import ModelKVShape
+from kvstore.index import DEFAULT_CAPACITY_BLOCKS
+from kvstore.swa import DEFAULT_SWA_TTL_S
 from services.common.cost_model import PrefillCost
 from services.router.policies import POLICIES, Policy, RequestView, make_policy
 from services.router.policies.estimate import REPORT_INTERVAL_S, LoadEstimate
 from services.router.policies.placer import Dispatch, Placement, Placer
+from services.router.sim.hits import HitCounts, PrefixHits
 from services.router.sim.instances import Queued, SimDecode, SimPrefill
-from services.router.sim.trace import TraceRequest
-from services.router.sim.work import CHAT_TTL_S, Costs
+from services.router.sim.trace import SimClock, TraceRequest
+from services.router.sim.work import Costs
 
 if TYPE_CHECKING:   # annotations only: scaling.py imports this module
     from services.router.sim.scaling import Scaler
 
-SPEC = "spec"
-"""The SPEC balancers: prefill_buckets for prefill, decode_balance for decode."""
+SPEC = "spec"  # the SPEC balancers, one per stage:
 SPEC_POLICIES = {"prefill": "prefill_buckets", "decode": "decode_balance"}
 
 _DECODE_FINISH, _PREFILL_DONE, _REPORT, _ARRIVAL, _WAKE, _TICK = range(6)
-
-
-class SimClock:
-    """The simulation's time, callable like ``time.monotonic`` (policies and the index take it)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass(frozen=True)
@@ -92,6 +82,10 @@ class SimConfig:
     startup_s: float = 60.0
     """How long an instance started during the run loads before it reports and serves (model
     load on the reference card; only the autoscaled cluster starts instances)."""
+    kv_shape: ModelKVShape = ModelKVShape()
+    """What the model needs from cached KV (a sliding window: hits also need its SWA window)."""
+    swa_ttl_s: float = DEFAULT_SWA_TTL_S
+    """How long the KV store's SWA tier keeps a window (a hybrid model only)."""
 
     def __post_init__(self) -> None:
         if self.hits_at not in ("start", "arrival"):
@@ -103,6 +97,8 @@ class SimConfig:
             raise ValueError(f"report_interval_s must be > 0 (got {self.report_interval_s!r})")
         if not self.startup_s >= 0:
             raise ValueError(f"startup_s must be >= 0 (got {self.startup_s!r})")
+        if not self.swa_ttl_s > 0:
+            raise ValueError(f"swa_ttl_s must be > 0 (got {self.swa_ttl_s!r})")
 
 
 @dataclass
@@ -142,6 +138,7 @@ class SimResult:
     prefill_policy: Policy
     replicas: tuple[tuple[float, dict[str, int]], ...] = ()
     """Autoscaled: (time, instances per role counted then) at every planner tick."""
+    hits: HitCounts = field(default_factory=HitCounts)  # of the lookups that decided each prefill's hit
 
 
 def policy_names(policy: str) -> dict[str, str]:
@@ -173,7 +170,7 @@ class Cluster:
         self.config = config
         self.costs = config.costs
         self.clock = clock
-        self.index = EmbeddedIndex(config.kv_capacity_blocks, clock=clock)
+        self.hits = PrefixHits(config.kv_capacity_blocks, clock, config.kv_shape, config.swa_ttl_s)
         self.prefills = [SimPrefill(f"prefill-{i}") for i in range(config.num_prefill)]
         self.decodes = [SimDecode(f"decode-{i}", config.costs.decode, config.costs.decode_max_batch,
                                   config.decode_kv_capacity_tokens) for i in range(config.num_decode)]
@@ -190,8 +187,7 @@ class Cluster:
         self._estimates = {e.address: e for e in self.prefill_router.instances + self.decode_router.instances}
         self._records: dict[str, RequestRecord] = {}
         self._num_unfinished = 0
-        self._wake_at: float | None = None
-        """The one wake-up the prefill policy asked for at the last dispatch (as the live timer)."""
+        self._wake_at: float | None = None  # the one wake-up the policy last asked for (as the live timer)
         self._events: list[tuple[float, int, int, Any, int]] = []
         self._seq = 0
 
@@ -227,7 +223,8 @@ class Cluster:
             elif version == target.version:
                 self._decode_finish(target)
         replicas = tuple(scaler.replicas) if scaler is not None else ()
-        return SimResult(list(self._records.values()), self.prefills, self.decodes, self.prefill_policy, replicas)
+        return SimResult(list(self._records.values()), self.prefills, self.decodes, self.prefill_policy, replicas,
+                         self.hits.counts)
 
     def _push(self, at: float, kind: int, target: Any, version: int = 0) -> None:
         self._seq += 1
@@ -235,10 +232,10 @@ class Cluster:
 
     # ----- load reports -----------------------------------------------------------------------
     def _start_reports(self, start: float) -> None:
-        """Every instance reports at the start and every interval after, in step: the router
-        opens every report stream when it starts, and an instance reports at once and then
-        every interval (live, the phases drift apart slowly; in step, the placer takes each
-        instance's view once per instant, which keeps a run of the full trace to seconds)."""
+        """Every instance reports at the start and every interval after, in step: the router opens
+        every report stream when it starts, and an instance reports at once and then every interval
+        (live, the phases drift apart slowly; in step, the placer takes each instance's view once
+        per instant, which keeps a run of the full trace to seconds)."""
         for router, instances in ((self.prefill_router, self.prefills), (self.decode_router, self.decodes)):
             for instance, estimate in zip(instances, router.instances):
                 self._push(start, _REPORT, (router, instance, estimate))
@@ -256,8 +253,7 @@ class Cluster:
     # ----- prefill ----------------------------------------------------------------------------
     def _route_prefill(self, record: RequestRecord) -> None:
         request = record.request
-        record.num_hit_blocks = self.index.lookup(request.hash_ids)
-        record.num_cached = request.cached_tokens(record.num_hit_blocks)
+        record.num_hit_blocks, record.num_cached = self.hits.lookup(request, self.config.hits_at == "arrival")
         record.prefill_s = self.costs.prefill_seconds(request.input_length, record.num_cached)
         view = RequestView(request.request_id, request.input_length, request.output_length,
                            record.block_hashes, record.num_cached)
@@ -287,8 +283,7 @@ class Cluster:
             return
         record, now = self._records[item.request.request_id], self.clock.now
         if self.config.hits_at == "start":
-            record.num_hit_blocks = self.index.lookup(item.request.hash_ids)
-            record.num_cached = item.request.cached_tokens(record.num_hit_blocks)
+            record.num_hit_blocks, record.num_cached = self.hits.lookup(item.request)
             record.prefill_s = self.costs.prefill_seconds(item.request.input_length, record.num_cached)
         instance.start(item, now, record.prefill_s, item.request.input_length - record.num_cached)
         self._push(now + record.prefill_s, _PREFILL_DONE, instance)
@@ -296,9 +291,7 @@ class Cluster:
     def _prefill_done(self, instance: SimPrefill) -> None:
         request = instance.finish().request
         record = self._records[request.request_id]
-        # The blocks it computed go to the store; the hit ones were renewed by the lookup.
-        for block_id in request.hash_ids[record.num_hit_blocks:]:
-            self.index.insert(block_id, CHAT_TTL_S)
+        self.hits.store(request, record.num_hit_blocks)
         record.first_token_s = self.clock.now
         if request.output_length <= 1:
             self._finished(record, self.clock.now)
@@ -347,8 +340,7 @@ class Cluster:
 
     def members(self, role: str) -> list[SimPrefill | SimDecode]:
         """The role's instances counted now: started, not retiring."""
-        instances = self.prefills if role == "prefill" else self.decodes
-        return [i for i in instances if not i.life.is_retiring]
+        return [i for i in (self.prefills if role == "prefill" else self.decodes) if not i.life.is_retiring]
 
     def add_instance(self, role: str) -> None:
         """Start one more ``role`` instance: it reports, and so serves, after ``startup_s``."""
@@ -396,8 +388,7 @@ def simulate(requests: Sequence[TraceRequest], config: SimConfig, policy: str = 
     ``configure``: settings for a policy's ``configure`` (the prefill buckets' bounds, caps,
     round period), as the live router passes them. ``scaler``: a planner scaling the cluster
     (``scaling.py``; the config's counts are the fleet it starts with)."""
-    clock = SimClock()
-    clock.now = requests[0].arrival_s if requests else 0.0
+    clock = SimClock(requests[0].arrival_s if requests else 0.0)
     names = policy_names(policy)
     cluster = Cluster(config, build_policy(names["prefill"], seed, clock, config.costs.prefill, configure),
                       build_policy(names["decode"], seed + 1, clock, config.costs.prefill, configure), clock)

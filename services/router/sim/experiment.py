@@ -92,7 +92,9 @@ def evaluate(experiment: Experiment, policy: str = SPEC, seed: int = 0, slo: Slo
     autoscale from the config's fleet with ``observer(planner config)`` (the planner, or a
     baseline), its clocks and the start-up scaled like the trace."""
     interval = experiment.report_interval_s if report_interval_s is None else report_interval_s
-    config = replace(experiment.config, report_interval_s=interval)
+    # The SWA tier's TTL is a span of the trace's clock: it shrinks with the arrival gaps.
+    config = replace(experiment.config, report_interval_s=interval,
+                     swa_ttl_s=experiment.config.swa_ttl_s * experiment.time_factor)
     configure = {"round_s": experiment.round_s, **(configure or {})}
     scaler, label = None, policy
     if planner is not None:

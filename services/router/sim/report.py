@@ -57,6 +57,9 @@ class Report:
     slo_attainment: float
     hit_rate: float
     """Prompt tokens served by the KV store in this run / all prompt tokens."""
+    swa_hit_rate: float | None
+    """A hybrid model: of the prefills whose block hit needed a sliding window, the share that
+    found it in the SWA tier (the rest replayed); None for a plain model."""
     offered_hit_rate: float
     """The same in the arrival-order replay that set the load (work.py)."""
     imbalance: float
@@ -133,6 +136,7 @@ def build_report(policy: str, result: SimResult, start_s: float, bound_makespan_
         goodput_req_s=len(good) * per_s, goodput_tok_s=sum(r.request.output_length for r in good) * per_s,
         slo_attainment=len(good) / len(records) if records else 0.0,
         hit_rate=sum(r.num_cached for r in records) / num_prompt if num_prompt else 0.0,
+        swa_hit_rate=result.hits.swa_hit_rate,
         offered_hit_rate=offered_hit_rate,
         imbalance=imbalance_prefill if prefill_bound_first else imbalance_decode,
         imbalance_prefill=imbalance_prefill, imbalance_decode=imbalance_decode,
@@ -168,7 +172,8 @@ def describe(report: Report) -> str:
     return "\n".join([
         f"policy {report.policy}: {report.num_requests} requests at load {report.load:g} "
         f"(arrival gaps x{report.time_factor:.4g}), prefix hit rate {report.hit_rate:.3f} "
-        f"(arrival-order replay: {report.offered_hit_rate:.3f})",
+        f"(arrival-order replay: {report.offered_hit_rate:.3f})"
+        + (f", SWA window hit rate {report.swa_hit_rate:.3f}" if report.swa_hit_rate is not None else ""),
         f"makespan {report.makespan_s:.3f} s vs balanced bound {report.bound_makespan_s:.3f} s: "
         f"throughput {report.throughput_tok_s:.0f} tok/s = {report.balanced_ratio:.3f} of the bound's "
         f"{report.bound_throughput_tok_s:.0f}",

@@ -25,6 +25,17 @@ BLOCK_TOKENS = 512
 """Tokens per trace block (Mooncake's hash_ids)."""
 
 
+class SimClock:
+    """The simulation's time, the trace's clock (arrivals are on it), callable like
+    ``time.monotonic`` (policies and the KV store's index take it)."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @dataclass(frozen=True)
 class TraceRequest:
     request_id: str
