@@ -1,10 +1,13 @@
-"""A hybrid sliding-window model through a real cluster (2 prefill, 1 decode, 1 store node):
+"""A hybrid sliding-window model through a real cluster (2 prefill, 2 decode, 1 store node):
 the prefill -> decode hand-over moves the window KV too; a prefix written by one prefill is hit
-by the other with its window (the SWA tier) or, once the window is gone, by a bounded replay;
-the output equals one engine's every time, and nothing stays held."""
+by the other with its window (the SWA tier) or, once the window is gone, by a bounded replay; a
+decode killed mid-stream is resumed from the store by the other; the output equals one engine's
+every time, and nothing stays held."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import httpx
@@ -13,6 +16,7 @@ import pytest
 from services.engine import LLM, SamplingParams
 from tests.cluster import running_cluster
 from tests.factories import make_tiny_chat_model_dir, random_prompts
+from tests.integration.test_migration import serving_decode, stream, wait_for_decodes
 
 BLOCK, WINDOW = 16, 24
 REPLAY = 2 * (WINDOW - 1)  # two sliding-window layers
@@ -28,10 +32,14 @@ def hybrid_chat_dir(tmp_path_factory, smollm2_dir):
 
 @pytest.fixture(scope="module")
 def cluster(hybrid_chat_dir):
-    with running_cluster(str(hybrid_chat_dir), encoders=0, prefills=2, decodes=1, kv_cache_gib=0.05,
-                         max_num_batched_tokens=64, device="cpu", kvstores=1,
-                         prefill_policy="round_robin", swa_ttl_s=SWA_TTL_S) as running:
-        yield running
+    os.environ["EPD_ROUTER_DECODE_IDLE_TIMEOUT_S"] = "2"
+    try:
+        with running_cluster(str(hybrid_chat_dir), supervise=True, encoders=0, prefills=2, decodes=2,
+                             kv_cache_gib=0.05, max_num_batched_tokens=64, device="cpu", kvstores=1,
+                             prefill_policy="round_robin", swa_ttl_s=SWA_TTL_S) as running:
+            yield running
+    finally:
+        del os.environ["EPD_ROUTER_DECODE_IDLE_TIMEOUT_S"]
 
 
 @pytest.fixture(autouse=True)
@@ -113,3 +121,28 @@ def test_the_next_turn_hits_the_window_decode_published(cluster, hybrid_chat_dir
     tokens, cached = complete(cluster, next_turn, max_tokens=8)
     assert cached == num_with_kv // BLOCK * BLOCK  # the blocks decode wrote, and its window
     assert tokens == one_engine(hybrid_chat_dir, [next_turn], max_tokens=8)[0]
+
+
+def test_a_killed_decode_resumes_from_the_store_token_identical(cluster):
+    """The survivor pulls the context's block KV from the store and, its window gone with the
+    dead instance, replays the last n_sliding * (W - 1) tokens before it: the same stream."""
+    request = {"model": "hybrid-chat0", "stream": True, "temperature": 0, "max_tokens": 400, "ignore_eos": True,
+               "messages": [{"role": "user", "content": "Tell a long story about a lighthouse."}]}
+    wait_for_decodes(cluster)
+    undisturbed = stream(cluster.url, request)
+    killed = []
+
+    def kill(num_chunks: int) -> None:
+        child = serving_decode(cluster)
+        os.kill(child.process.pid, signal.SIGSTOP)
+        os.kill(child.process.pid, signal.SIGKILL)
+        child.process.wait()
+        killed.append(child.name)
+
+    decodes = [c.name for c in cluster.cluster.children if c.name.startswith("decode")]
+    disturbed = stream(cluster.url, request, after_tokens=kill)
+    assert killed and disturbed == undisturbed
+    assert cluster.metric("router", "epd_router_migrations_total", outcome="moved") >= 1
+    survivor = next(name for name in decodes if name not in killed)
+    assert cluster.metric(survivor, "epd_decode_resumed_tokens_total", source="cached") >= 64
+    wait_for_decodes(cluster)
