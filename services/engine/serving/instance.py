@@ -73,9 +73,10 @@ class ServingConfig(EngineConfig, ServerOptions):
     kv_staging_mib: int = 256
     """Size of the staging region (at most the pool's size): KV of hand-overs not yet read and of
     store reads and writes in flight; when it is full they fall back to recompute."""
-    swa_windows: int = 256
-    """Sliding windows this instance keeps for other instances to read (a hybrid model with a KV
-    store: the SWA tier, swa_tier.py); the oldest expired one goes first, then the least used."""
+    swa_capacity_mib: int = 256
+    """Host memory for the sliding windows this instance keeps for other instances to read (a
+    hybrid model with a KV store: the SWA tier, swa_tier.py): at least one window and at most
+    1,024; when full, the expired ones go first, then the least recently used."""
     swa_ttl_s: float = DEFAULT_SWA_TTL_S
     """How long this instance keeps a window unless evicted (the store's --swa-ttl-s names it
     for as long as its own)."""
@@ -89,7 +90,7 @@ class ServingConfig(EngineConfig, ServerOptions):
         check(self.kvstore_timeout_s > 0, "kvstore_timeout_s", "must be > 0")
         check(self.kv_staging in KV_STAGING_CHOICES, "kv_staging", f"must be one of {', '.join(KV_STAGING_CHOICES)}")
         check(self.kv_staging_mib >= 1, "kv_staging_mib", "must be >= 1")
-        check(self.swa_windows >= 1, "swa_windows", "must be >= 1")
+        check(self.swa_capacity_mib >= 1, "swa_capacity_mib", "must be >= 1")
         check(self.swa_ttl_s > 0, "swa_ttl_s", "must be > 0")
 
 
@@ -133,7 +134,8 @@ class EngineInstance:
             client = StoreClient(config.kvstore, config.kvstore_replicas, timeout_s=config.kvstore_timeout_s)
             swa = None
             if self.seam.sliding_window is not None and self.region is not None:
-                swa = SWATier(self.seam, self.transfer, client, self.instance_id, config.swa_windows, config.swa_ttl_s)
+                swa = SWATier(self.seam, self.transfer, client, self.instance_id,
+                              SWATier.windows_in(self.seam, config.swa_capacity_mib << 20), config.swa_ttl_s)
             self.store = StoreConnector(self.seam, client, swa)
 
     def _allocate_region(self, num_bytes: int):

@@ -53,12 +53,22 @@ class SWATier:
         self.seam = seam
         self.client = client
         self.transfer = transfer
-        window, bs = seam.sliding_window, seam.block_size
-        blocks_per_window = -(-(window - 1) // bs)
-        self.area = StagingArea.allocate((capacity_windows + 1) * blocks_per_window * seam.window_block_bytes,
+        self.area = StagingArea.allocate((capacity_windows + 1) * self.window_bytes(seam),
                                          seam.window_block_bytes, f"{instance_id}-swa", in_use=SWA_SLOTS_IN_USE)
         transfer.register(self.area.region)
         self.pool: SWAPool[SlotLease] = SWAPool(capacity_windows, ttl_s, clock)
+
+    @staticmethod
+    def window_bytes(seam: EngineSeam) -> int:
+        """One window's KV at most: ceil((W - 1) / B) window-pool blocks."""
+        return -(-(seam.sliding_window - 1) // seam.block_size) * seam.window_block_bytes
+
+    @classmethod
+    def windows_in(cls, seam: EngineSeam, num_bytes: int, most: int = 1024) -> int:
+        """How many windows ``num_bytes`` hold (at least one, at most ``most``: a small model's
+        windows would otherwise fill the bytes with more than a TTL's traffic brings; the
+        region has room for one more)."""
+        return min(most, max(1, num_bytes // cls.window_bytes(seam) - 1))
 
     async def publish(self, token_ids: list[int], hashes: list[BlockHash], end: int) -> bool:
         """Keep the window ending at ``end`` here and name it in the store; False when it was

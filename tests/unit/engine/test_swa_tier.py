@@ -75,6 +75,9 @@ def test_windows_move_between_instances_and_the_region_stays_bounded(hybrid_dir)
             hashes = [(await a.seam.prompt_hashes(p))[0] for p in prompts]
             per_window = len(a.seam.window_positions(END))
             assert per_window == 2  # positions 265..287: blocks 16 and 17
+            # What --swa-capacity-mib buys: 2 blocks of 2 layers' K and V, 16 x 2 x 16 floats.
+            assert SWATier.window_bytes(a.seam) == 2 * 2 * 2 * 16 * 2 * 16 * 4 == 16384
+            assert [SWATier.windows_in(a.seam, n) for n in (1000, 1 << 20, 1 << 30)] == [1, 63, 1024]
             assert await tier_a.publish(prompts[0], hashes[0], END)
             assert slots_in_use(tier_a) == per_window
 
