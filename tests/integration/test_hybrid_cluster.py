@@ -10,6 +10,7 @@ import os
 import signal
 import time
 
+import grpc
 import httpx
 import pytest
 
@@ -146,3 +147,31 @@ def test_a_killed_decode_resumes_from_the_store_token_identical(cluster):
     survivor = next(name for name in decodes if name not in killed)
     assert cluster.metric(survivor, "epd_decode_resumed_tokens_total", source="cached") >= 64
     wait_for_decodes(cluster)
+
+
+def test_a_window_whose_prefill_died_costs_only_the_replay(cluster, hybrid_chat_dir):
+    """The store still names the window in the dead prefill's region: the other prefill's read
+    of it fails (or finds the bytes intact), never hangs, and the output is one engine's."""
+    prompt = random_prompts(1, [1000], vocab=49152, seed=45)[0]
+    expected = one_engine(hybrid_chat_dir, [prompt])[0]
+    names = ("prefill-0", "prefill-1")
+    before = {name: cluster.metric(name, "epd_swa_windows_total", event="published") for name in names}
+    first, cached = complete(cluster, prompt)
+    assert (first, cached) == (expected, 0)
+    assert wait_for(lambda: any(cluster.metric(n, "epd_swa_windows_total", event="published") > before[n]
+                                for n in names))
+    assert wait_for(lambda: sum(s.num_blocks for s in cluster.store_stats()) >= 62)
+    publisher = next(c for c in cluster.cluster.children if c.name in names
+                     and cluster.metric(c.name, "epd_swa_windows_total", event="published") > before[c.name])
+    os.kill(publisher.process.pid, signal.SIGKILL)
+    publisher.process.wait()
+    second, cached = complete(cluster, prompt)
+    assert second == expected and cached in (992, 944)  # the window read, or the replay
+    assert wait_for(lambda: prefills_serving(cluster) == 2, timeout_s=60)  # the supervisor restarted it
+
+
+def prefills_serving(cluster) -> int:
+    try:
+        return sum(r.role == "prefill" for r in cluster.loads())
+    except grpc.RpcError:  # alive, not serving yet
+        return 0
