@@ -188,11 +188,6 @@ class StoreClient:
             for address, idx in per_node.items()))
         return sum(r.num_stored + r.num_renewed for r in replies if r is not None)
 
-    async def has_window(self, sequence_hash: bytes, window_end: int) -> bool:
-        key = kvstore_pb2.WindowKey(sequence_hash=sequence_hash, window_end=window_end)
-        replies = await asyncio.gather(*(self._call(a, "HasWindow", key) for a in self._live(self.entry_addresses)))
-        return any(r is not None and r.found for r in replies)
-
     async def put_window(self, sequence_hash: bytes, window_end: int, handle: KVHandle) -> bool:
         """Publish where a window's KV can be read (an instance's SWA region) on the node its
         sequence hash places it on; False when no node took it."""
