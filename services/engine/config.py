@@ -50,6 +50,13 @@ class EngineConfig:
     prompt was chunked: the same request gives bit-identical logits alone or in any batch, on
     any instance. Costs speed (benchmarks/engine_throughput.py); for debugging, evaluation and
     RL rollouts that must replay exactly. Needs the CPU's fp32 kernels (not built for CUDA yet)."""
+    exact_prefill: bool = False
+    """Prompts go through exactly the arithmetic transformers runs (MKL's products, torch's SDPA,
+    RMSNorm and SiLU), so fp32 prompt logits equal transformers' bit for bit (the oracle tests).
+    Off, where the CPU's kernels run: fresh prompts attend through the kernel that continued
+    chunks use and each RMSNorm is one fused pass (~10% faster prefill; logits as far from a
+    float64 reference as transformers' own, tests/integration/test_smollm2.py). Within a
+    cluster both give the same output everywhere as long as every engine uses the same setting."""
     speculative_config: str = ""
     """Speculative decoding as JSON, vLLM's fields: ``{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``; '' is off.

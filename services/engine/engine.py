@@ -110,7 +110,7 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, loaded.weights, num_blocks, bs, device, dtype, eos, kv_buffer,
                                   batch_invariant=config.batch_invariant,
                                   cpu_threads=parse_cpus(config.cpu_threads), nice=config.nice,
-                                  num_window_blocks=num_window_total)
+                                  num_window_blocks=num_window_total, exact_prefill=config.exact_prefill)
         self.prefix = PrefixSeam(self.block_manager, self.runner, self.root_for,
                                  self.kv.managers[1] if num_window else None)
         """Full blocks by hash between this pool and other engines or the KV store."""

@@ -129,11 +129,13 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], num_blocks: int,
                  block_size: int, device: torch.device, dtype: torch.dtype,
                  eos_token_ids: tuple[int, ...] = (), kv_buffer=None, batch_invariant: bool = False,
-                 num_window_blocks: int = 0, cpu_threads: list[int] | None = None, nice: int = 0) -> None:
+                 num_window_blocks: int = 0, cpu_threads: list[int] | None = None, nice: int = 0,
+                 exact_prefill: bool = False) -> None:
         """``num_blocks``: group 0's pool; ``num_window_blocks``: a hybrid model's sliding-window
         pool (its NULL block included); ``cpu_threads``: the CPUs a CPU engine's compute threads
         are bound to (threads.py), None leaves torch's threads as they are; ``nice``: the
-        priority of the threads that run the model (threads.py)."""
+        priority of the threads that run the model (threads.py); ``exact_prefill``: see
+        EngineConfig."""
         self.cfg = cfg
         self.block_size = block_size
         self.device, self.dtype = device, dtype
@@ -179,6 +181,11 @@ class ModelRunner:
         is_cpu_fp32 = self.attention_backend == "cpu" and dtype == torch.float32
         if is_cpu_fp32:
             self.model.pack_for_decode(self._kernels)
+        # Unless prefill must be transformers' arithmetic: fresh prompts through the CPU's
+        # attention kernel, every RMSNorm (and the add before it) in one C pass.
+        self._fresh_in_kernel = self.attention_backend == "cpu" and not exact_prefill
+        if self._fresh_in_kernel:
+            self.model.fuse_norms(self._kernels)
         check(not batch_invariant or is_cpu_fp32, "batch_invariant",
               f"needs the CPU's fp32 kernels (device cpu, dtype float32, a C compiler); this engine "
               f"runs {self.attention_backend} attention on {device}/{str(dtype).removeprefix('torch.')}")
@@ -290,7 +297,7 @@ class ModelRunner:
         positions = torch.cat([torch.arange(s, s + len(toks)) for s, toks, _ in chunks]).to(self.device)
         metas = [build_metadata([(s, len(toks), tables[group]) for s, toks, tables in chunks], self.block_size,
                                 num_layers, self.device, self._kernels, self.batch_invariant,
-                                replay_until if group == 0 else (), self._discard_block)
+                                replay_until if group == 0 else (), self._discard_block, self._fresh_in_kernel)
                  for group, num_layers in enumerate(self._group_num_layers)]
         workspace = self._workspace(max(meta.max_gather_blocks for meta in metas))
         for meta in metas:

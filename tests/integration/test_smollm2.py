@@ -28,19 +28,27 @@ def hf():
     return transformers.LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
 
 
-def test_logits_and_64_greedy_tokens_match_transformers(llm, hf):
+@pytest.fixture(scope="module")
+def exact():
+    """The opt-in mode whose prompts take transformers' exact arithmetic."""
+    return LLM(kv_cache_gib=0.1, max_num_batched_tokens=256, exact_prefill=True)
+
+
+def test_logits_and_64_greedy_tokens_match_transformers(llm, exact, hf):
     prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(CHAT))
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0]
-    assert torch.equal(llm.engine.prompt_logits(prompt), expected)  # a fresh prompt: transformers' own sums
-    chunked = llm.engine.prompt_logits(prompt, chunk_size=16)      # continued chunks: our attention kernel
-    assert (chunked - expected).abs().max().item() <= 1e-4
+    assert torch.equal(exact.engine.prompt_logits(prompt), expected)  # transformers' own sums
+    for engine in (llm.engine, exact.engine):
+        for chunk_size in (None, 16):  # a fresh prompt, continued chunks: our attention kernel
+            assert (engine.prompt_logits(prompt, chunk_size=chunk_size) - expected).abs().max().item() <= 1e-4
     ids = torch.tensor([prompt])
     # An explicit mask: the chat prompt contains <|im_end|>, which transformers would take for padding.
     hf_ids = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, min_new_tokens=64,
                          do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    ours = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))[0]
-    assert ours.token_ids == hf_ids
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    assert llm.generate(prompt, greedy)[0].token_ids == hf_ids
+    assert exact.generate(prompt, greedy)[0].token_ids == hf_ids
 
 
 def test_chat_answers_and_stops_on_eos(llm):
@@ -116,21 +124,31 @@ def test_bf16_stays_within_its_tolerance_and_agrees_with_fp32s_greedy_tokens(llm
     assert num_equal / num_tokens >= BF16_MIN_AGREEMENT
 
 
-def test_fp32_logits_are_about_as_close_to_a_float64_reference_as_transformers_own(llm, hf):
+def rms(t: torch.Tensor) -> float:
+    return t.pow(2).mean().sqrt().item()
+
+
+def test_fp32_logits_are_as_close_to_a_float64_reference_as_transformers_own(llm, exact, hf):
     """The exactness contract that leaves room for speed: against the same model in float64,
-    fresh prompts are exactly as far off as transformers' fp32 (the same sums); continued chunks,
-    through our own kernel's summation order, within 1.5x transformers' worst error on the same
-    prompts (measured: theirs 6.0e-5 and 1.6e-4; ours chunked 7.1e-5 and 2.2e-4, so not within
-    1.0x on the second prompt)."""
+    our prompt logits (default mode, fresh and in chunks) are as far off as transformers' own
+    fp32: the RMS error over the prompts within 10% of transformers', the largest within 1.5x
+    transformers' largest (another summation order moves single errors either way; measured here:
+    RMS 1.00x, 0.99x in chunks; largest 1.19x). The exact mode is exactly as far off as transformers."""
     reference = transformers.LlamaForCausalLM.from_pretrained(load_model(None).path, torch_dtype=torch.float64).eval()
-    chat = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(CHAT))
+    chats = [CHAT, [{"role": "user", "content": "Explain how a hash table works, with an example in Python."}]]
+    prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(chat)) for chat in chats]
     rng = torch.Generator().manual_seed(2)
-    prompts = [chat, torch.randint(100, llm.engine.model_config.vocab_size, (300,), generator=rng).tolist()]
-    theirs, chunked = [], []
+    prompts += [torch.randint(100, llm.engine.model_config.vocab_size, (n,), generator=rng).tolist() for n in (300, 700)]
+    errors = {"theirs": [], "ours": [], "ours_chunked": []}
     for prompt in prompts:
         with torch.no_grad():
-            exact = reference(torch.tensor([prompt])).logits[0]
-            theirs.append((hf(torch.tensor([prompt])).logits[0].double() - exact).abs().max().item())
-        assert (llm.engine.prompt_logits(prompt).double() - exact).abs().max().item() <= theirs[-1]
-        chunked.append((llm.engine.prompt_logits(prompt, chunk_size=16).double() - exact).abs().max().item())
-    assert max(chunked) <= 1.5 * max(theirs), (chunked, theirs)
+            truth = reference(torch.tensor([prompt])).logits[0]
+            errors["theirs"].append(hf(torch.tensor([prompt])).logits[0].double() - truth)
+        errors["ours"].append(llm.engine.prompt_logits(prompt).double() - truth)
+        errors["ours_chunked"].append(llm.engine.prompt_logits(prompt, chunk_size=16).double() - truth)
+        assert torch.equal(exact.engine.prompt_logits(prompt).double() - truth, errors["theirs"][-1])
+    theirs = torch.cat(errors.pop("theirs"))
+    for name, error in errors.items():
+        error = torch.cat(error)
+        assert rms(error) <= 1.1 * rms(theirs), (name, rms(error), rms(theirs))
+        assert error.abs().max().item() <= 1.5 * theirs.abs().max().item(), (name, error.abs().max(), theirs.abs().max())

@@ -48,6 +48,8 @@ SOURCES = tuple((Path(__file__).with_name(name), flags) for name, flags in (
     # torch's bits exactly: every operation rounded on its own, none fused into an FMA.
     ("rope_store.c", ("-ffp-contract=off",)),
     ("rope_store.c", ("-ffp-contract=off", *BF16)),
+    ("rms_norm.c", ()),
+    ("rms_norm.c", BF16),
     ("small_gemm.c", ()),
     ("threads.c", ()),
 ))
@@ -78,6 +80,9 @@ class CpuKernels:
     """``(weight [N, K]) -> packed``: a linear layer's weight in :attr:`small_gemm`'s panels."""
     small_gemm: Callable[..., torch.Tensor]
     """``(x [M, K], packed, bias | None, N) -> x W^T + bias``: for a decode step's few rows."""
+    add_rms_norm: Callable[..., torch.Tensor]
+    """``(x, residual | None, weight, eps) -> out``: ``x += residual`` in place, then RMSNorm
+    of x into a new tensor (``rms_norm.c``)."""
     bind_threads: Callable[[list[int]], int]
     """``(cpus) -> failures``: the calling thread's OpenMP team, ``len(cpus)`` threads, thread
     i bound to ``cpus[i]`` (see ``threads.c``); how many could not be bound."""
@@ -154,6 +159,9 @@ def _library() -> ctypes.CDLL | None:
         rope = getattr(lib, f"rope_store_{suffix}")
         rope.argtypes = [ptr] * 7 + [i64] * 6 + [i32]
         rope.restype = None
+        norm = getattr(lib, f"add_rms_norm_{suffix}")
+        norm.argtypes = [ptr] * 4 + [i64] * 2 + [f32, i32]
+        norm.restype = None
     lib.small_gemm_packed_size.argtypes = [i64, i64]
     lib.small_gemm_packed_size.restype = i64
     lib.small_gemm_pack.argtypes = [ptr, ptr, i64, i64, i32]
@@ -165,11 +173,17 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def _check(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, *index: torch.Tensor) -> None:
-    for t in (q, out, kv_cache, *index):
+def _check_elements(*tensors: torch.Tensor) -> None:
+    """Contiguous CPU tensors of one element type the kernels are built for."""
+    for t in tensors:
         assert t.is_contiguous() and t.device.type == "cpu", "the CPU kernels take contiguous CPU tensors"
-    assert q.dtype == out.dtype == kv_cache.dtype and q.dtype in DTYPES
-    assert all(t.dtype == torch.int64 for t in index)
+    assert len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in DTYPES
+
+
+def _check(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, *index: torch.Tensor) -> None:
+    _check_elements(q, out, kv_cache)
+    for t in index:
+        assert t.is_contiguous() and t.device.type == "cpu" and t.dtype == torch.int64
 
 
 def _entry(lib: ctypes.CDLL, kind: str, dtype: torch.dtype, head_dim: int | None = None):
@@ -179,7 +193,7 @@ def _entry(lib: ctypes.CDLL, kind: str, dtype: torch.dtype, head_dim: int | None
 
 @functools.cache
 def kernels() -> CpuKernels | None:
-    """The kernels (see ``paged_decode.c``, ``paged_prefill.c``, ``rope_store.c``), or None
+    """The kernels (see ``paged_decode.c``, ``paged_prefill.c``, ``rope_store.c``, ``rms_norm.c``), or None
     where they cannot be built. They take float32 or bfloat16 CPU tensors (one dtype a call;
     the small product float32 only), all contiguous, and int64 index tensors (see the C sources
     for shapes).
@@ -244,8 +258,19 @@ def kernels() -> CpuKernels | None:
                        y.data_ptr(), num_out, num_rows, num_out, num_in, torch.get_num_threads())
         return y
 
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        out = torch.empty_like(x)
+        _check_elements(x, out, weight, *(() if residual is None else (residual,)))
+        assert residual is None or residual.shape == x.shape
+        _entry(lib, "add_rms_norm", x.dtype)(
+            x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+            x.numel() // x.shape[-1], x.shape[-1], eps, torch.get_num_threads())
+        return out
+
     def bind_threads(cpus: list[int]) -> int:
         ids = torch.tensor(cpus, dtype=torch.int64)
         return lib.bind_threads(ids.data_ptr(), len(cpus))
 
-    return CpuKernels(paged_decode, paged_prefill, rope_store, pack_weight, small_gemm, bind_threads)
+    return CpuKernels(paged_decode, paged_prefill, rope_store, pack_weight, small_gemm, add_rms_norm,
+                      bind_threads)

