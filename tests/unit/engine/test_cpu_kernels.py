@@ -1,5 +1,5 @@
-"""The CPU kernels (decode and prefill attention, RoPE with the K/V store) against the torch path
-they replace (their reference)."""
+"""The CPU kernels (decode and prefill attention, RoPE with the K/V store, the residual add with
+RMSNorm) against the torch path they replace (their reference)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from services.engine import LLM, SamplingParams
 from services.engine.attention import build_metadata, paged_attention, store_kv
 from services.engine.kernels import cpu
-from services.engine.models.llama import rotate_half
+from services.engine.models.llama import RMSNorm, rotate_half
 from tests.factories import random_paged_step
 
 pytestmark = pytest.mark.skipif(cpu._compiler() is None, reason="no C compiler: the torch path is used, tested elsewhere")
@@ -58,6 +58,12 @@ def test_kernels_match_the_torch_path(kernels, heads, kv_heads, head_dim, block_
         assert fused_meta.prefill_batch.spans.tolist() == [
             [firsts[i], n, start] for i, (start, n) in enumerate(chunks) if (start, n) in prefills and start > 0]
         got = paged_attention(q, k, v, kv, layer, fused_meta, scale, window)
+        assert (got - expected).abs().max().item() < 1e-5
+        # Unless asked to send fresh prompts to the kernel too (the default outside exact_prefill).
+        all_meta = build_metadata(step, block_size, 3, torch.device("cpu"), kernels, fresh_in_kernel=True)
+        assert all_meta.spans == [] and all_meta.prefill_batch.spans.tolist() == [
+            [firsts[i], n, start] for i, (start, n) in enumerate(chunks) if (start, n) in prefills]
+        got = paged_attention(q, k, v, kv, layer, all_meta, scale, window)
         assert (got - expected).abs().max().item() < 1e-5
 
 
@@ -197,3 +203,24 @@ def test_a_querys_bits_do_not_depend_on_how_its_prompt_was_chunked(kernels, wind
         part = build_metadata([(100 + skip, 40 - skip, table)], 16, 2, cpu_, kernels)
         got = paged_attention(q[skip:], k[skip:], v[skip:], kv, 1, part, 0.125, window)
         assert torch.equal(got, whole[skip:]), (window, skip)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [576, 24])  # SmolLM2's; one that is no multiple of the vector width
+def test_add_rms_norm_matches_torch_and_a_row_does_not_depend_on_the_batch(kernels, dtype, dim):
+    gen = torch.Generator().manual_seed(dim)
+    x, residual = (torch.randn(37, dim, generator=gen).to(dtype) * 3 for _ in range(2))
+    norm = RMSNorm(dim, 1e-5).to(dtype).requires_grad_(False)
+    norm.weight.copy_(torch.randn(dim, generator=gen))
+    expected, expected_sum = norm(x, residual)  # torch: Hugging Face's arithmetic
+    assert torch.equal(expected_sum, x + residual)
+    norm.fuse(kernels)
+    fresh = x.clone()
+    got, got_sum = norm(fresh, residual)
+    assert got_sum is fresh and torch.equal(fresh, x + residual)  # the stream updated in place
+    one_ulp = 2 ** -23 if dtype == torch.float32 else 2 ** -8
+    assert ((got.float() - expected.float()).abs() <= 4 * one_ulp * expected.float().abs() + 1e-6).all()
+    alone = norm(x + residual)[0]  # no residual: the norm of x, x untouched
+    assert torch.equal(alone, got)
+    for i in (0, 5, 36):  # a row alone, at another address: the same bits
+        assert torch.equal(norm(x[i:i + 1].clone(), residual[i:i + 1].clone())[0][0], got[i])
