@@ -96,3 +96,30 @@ def test_lent_blocks_and_reservations_all_come_back_through_the_seam(tiny_llama_
             await instance.close()
 
     asyncio.run(main())  # the no-leak check after the test sees every block free
+
+
+def test_a_prompts_hashes_do_not_wait_for_the_running_step(tiny_llama_dir):
+    """A request that arrives mid-step gets its hashes (and its store lookup) at once, so it can
+    join the very next step: waiting for the step's end here made bursts prefill in waves."""
+    prompt = random_prompts(1, [70], seed=3)[0]
+
+    async def main():
+        instance = EngineInstance(ServingConfig(model=str(tiny_llama_dir), num_kv_blocks=32, device="cpu"),
+                                  "prefill")
+        instance.start()
+        seam, step_ends = instance.seam, threading.Event()
+        try:
+            stream = await seam.add_then_detach(prompt, GREEDY, "p")
+            seam.release(await seam.export_handoff([item async for item in stream][-1], "lease"))
+            running = asyncio.ensure_future(instance.engine.call(step_ends.wait))  # a step that lasts
+            await asyncio.sleep(0.05)
+            hashes, num_local = await asyncio.wait_for(seam.prompt_hashes(prompt), 5)
+            assert not running.done() and (len(hashes), num_local) == (4, 4)
+            step_ends.set()
+            await running
+            await instance.engine.call(lambda: None)
+        finally:
+            step_ends.set()
+            await instance.close()
+
+    asyncio.run(main())
