@@ -2,7 +2,8 @@
 
 The prefill and decode workers and the store connector reach their engine only through an
 :class:`EngineSeam`. Each call that changes the engine runs on the engine thread between steps
-(:class:`AsyncEngine`; ``prompt_hashes``, a read, does not wait for a step); the blocks this engine lends out or takes in travel in two objects::
+(:class:`AsyncEngine`; ``prompt_hashes``, a read, does not wait for a step); the blocks this
+engine lends out or takes in travel in two objects::
 
     lending (prefill's hand-over, KV store writes)                                 --> Export
         add_then_detach(...) --> stream ends with a Handoff --> export_handoff(handoff, lease)
@@ -223,13 +224,14 @@ class EngineSeam:
         """The full blocks' hashes as the request will have them, and how many leading ones
         the local prefix cache holds.
 
-        Computed here, not on the engine thread between steps: a request that arrived during a
-        step would wait for its end just for these, then miss the next step too (measured: a
-        burst of 8 prompts prefilled in three waves instead of two). The hashes are a function
-        of the tokens; the local count reads the prefix cache while steps may change it, so it
-        can be stale by the time it is used, as it could always be: every caller re-checks the
-        local prefix when it reserves (:meth:`reserve_prefix`)."""
-        return self._llm.prefix.prompt_hashes(token_ids, mm_inputs, cache_salt)
+        Computed in a worker thread, not on the engine thread between steps: a request that
+        arrived during a step would wait for its end just for these, then miss the next step too
+        (measured: a burst of 8 prompts prefilled in three waves instead of two); nor on the event
+        loop (a long prompt's hashes take milliseconds). The hashes are a function of the tokens;
+        the local count reads the prefix cache while steps may change it, so it can be stale by
+        the time it is used, as it could always be: every caller re-checks the local prefix when
+        it reserves (:meth:`reserve_prefix`)."""
+        return await asyncio.to_thread(self._llm.prefix.prompt_hashes, token_ids, mm_inputs, cache_salt)
 
     async def reserve_held(self, request_id: str) -> Reservation | None:
         """Blocks for a held request's prompt, local prefix hits first; None: no room now."""
