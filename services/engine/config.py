@@ -52,7 +52,8 @@ class EngineConfig:
     RL rollouts that must replay exactly. Needs the CPU's fp32 kernels (not built for CUDA yet)."""
     exact_prefill: bool = False
     """Prompts go through exactly the arithmetic transformers runs (MKL's products, torch's SDPA,
-    RMSNorm and SiLU), so fp32 prompt logits equal transformers' bit for bit (the oracle tests).
+    RMSNorm and SiLU), so fp32 prompt logits equal transformers' bit for bit (the oracle tests;
+    a one-token prompt to 1e-6 where MKL's one-row product depends on the weight's address).
     Off, where the CPU's kernels run: fresh prompts attend through the kernel that continued
     chunks use and each RMSNorm is one fused pass (~10% faster prefill; logits as far from a
     float64 reference as transformers' own, tests/integration/test_smollm2.py). Within a

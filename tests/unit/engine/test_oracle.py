@@ -2,7 +2,7 @@
 
 transformers is the reference no one here wrote. With ``exact_prefill`` a fresh prompt runs
 exactly transformers' arithmetic (the same products, SDPA, norms), so its fp32 logits must equal
-theirs bit for bit; by default (fresh prompts through our attention kernel, fused norms where the
+theirs bit for bit, except for a one-token prompt (see EXACT_ONE_ROW); by default (fresh prompts through our attention kernel, fused norms where the
 CPU's kernels run) and in chunks they must agree to 1e-4; greedy continuations of 64 tokens must
 be identical in both modes.
 """
@@ -33,6 +33,13 @@ VARIANTS = {
 }
 
 
+EXACT_ONE_ROW = 1e-6
+"""A one-token prompt's products are MKL's one-row product (gemv), whose summation order on some
+CPUs depends on the weight's address (seen on AMD Zen 3: transformers' weights lie where
+safetensors put them, 40 bytes past a 64-byte line, ours on a line; 5e-7 apart). From two rows on,
+MKL's product (sgemm) packs its operands first, and the bits are transformers' own."""
+
+
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
@@ -50,7 +57,11 @@ def test_logits_and_greedy_match_transformers(tmp_path, variant):
     for prompt in random_prompts(3, [1, 37, 300], seed=2):
         with torch.no_grad():
             expected = hf(torch.tensor([prompt])).logits[0]
-        assert torch.equal(exact.engine.prompt_logits(prompt), expected)
+        got = exact.engine.prompt_logits(prompt)
+        if len(prompt) > 1:
+            assert torch.equal(got, expected)
+        else:
+            assert (got - expected).abs().max().item() <= EXACT_ONE_ROW
         for chunk_size in (None, 16):
             assert (ours.engine.prompt_logits(prompt, chunk_size=chunk_size) - expected).abs().max().item() <= 1e-4
         assert (exact.engine.prompt_logits(prompt, chunk_size=16) - expected).abs().max().item() <= 1e-4
