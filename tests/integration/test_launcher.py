@@ -62,8 +62,11 @@ def is_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # A zombie (exited, not yet reaped by its parent) counts as gone.
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    # A zombie (exited, not yet reaped by its parent) counts as gone; so does one reaped since.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def wait_gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:

@@ -12,7 +12,9 @@
  * Every element goes through the same vector arithmetic (a row's last partial vector through a
  * padded copy), and a row's sum of squares is taken lane by lane in the same order whatever
  * surrounds it: a row's result depends on that row alone, not on the batch, the threads or
- * where the row lies in memory (batch invariance). Results are within a few ulps of torch's,
+ * where the row lies in memory (batch invariance). The sum of squares is taken in double: in
+ * float, lane by lane, SmolLM2's largest logit error against a float64 reference was 2.1x
+ * transformers' on an AVX2 CPU (1.5x with it). Results are within a few ulps of torch's,
  * not its bits; the mode that keeps torch's bits (EngineConfig.exact_prefill) does not use it.
  * (SiLU times up fused the same way measured no faster than torch's two passes: its exp bounds it.)
  */
@@ -21,6 +23,8 @@
 
 #include "element.h"
 #include "vector.h"
+
+typedef double vd __attribute__((vector_size(8 * W)));  /* W doubles: the sum of squares */
 
 #define SMALL 16384  /* elements below which a call stays on one thread (forking costs more) */
 
@@ -73,7 +77,7 @@ void EXPORT(add_rms_norm, )(elem *x, const elem *residual, const elem *weight, e
     for (int64_t r = 0; r < num_rows; r++) {
         elem *xr = x + r * dim, *o = out + r * dim;
         const elem *res = residual ? residual + r * dim : 0;
-        vf acc = splat(0.f);
+        vd acc = {0};
         for (int64_t i = 0; i < dim; i += W) {
             const int64_t n = dim - i < W ? dim - i : W;
             vf v = load(xr + i, n);
@@ -81,11 +85,12 @@ void EXPORT(add_rms_norm, )(elem *x, const elem *residual, const elem *weight, e
                 v = rounded(v + load(res + i, n));
                 store(xr + i, v, n);
             }
-            acc += v * v;
+            const vd w = __builtin_convertvector(v, vd);
+            acc += w * w;
         }
-        float sum = 0.f;
+        double sum = 0.;
         for (int j = 0; j < W; j++) sum += acc[j];
-        const float inv = 1.f / sqrtf(sum / (float)dim + eps);
+        const float inv = 1.f / sqrtf((float)(sum / (double)dim) + eps);
         for (int64_t i = 0; i < dim; i += W) {
             const int64_t n = dim - i < W ? dim - i : W;
             store(o + i, load(weight + i, n) * rounded(load(xr + i, n) * inv), n);
