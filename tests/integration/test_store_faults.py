@@ -96,10 +96,11 @@ def test_a_frozen_store_node_costs_a_short_deadline_now_and_then(cluster):
               f"requests in {elapsed_s:.1f} s, latencies {[round(s, 2) for s in seconds]}")
         # Skipped after a failure for a back-off that doubles from 1 s: each engine's client pays a
         # deadline at most 1 + log2(1 + elapsed) times, however many calls it makes (5 deadlines in
-        # 4.5 s here alone; one per call would be 20 and more), plus one for each further call it
-        # already had in flight when the node froze (a lookup and a write: 11 deadlines in 5.3 s
-        # on a slower AMD machine, one over the bound without it). In time, not in calls: on a
-        # loaded machine the same requests take longer and the back-off runs out more often.
+        # 4.5 s here alone; one per call would be 20 and more), plus one for a further call it may
+        # already have had in flight when the node froze (a lookup beside a write; not traced:
+        # 11 deadlines in 5.3 s on a slower AMD machine, one over the bound without it). In time,
+        # not in calls: on a loaded machine the same requests take longer and the back-off runs
+        # out more often.
         num_engines = cluster.cluster.config.prefills + cluster.cluster.config.decodes
         assert deadlines - deadlines_before <= num_engines * (2 + math.log2(1 + elapsed_s))
         assert deadlines - deadlines_before < 2 * len(prompts)

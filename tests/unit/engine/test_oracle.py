@@ -2,9 +2,9 @@
 
 transformers is the reference no one here wrote. With ``exact_prefill`` a fresh prompt runs
 exactly transformers' arithmetic (the same products, SDPA, norms), so its fp32 logits must equal
-theirs bit for bit, except for a one-token prompt (see EXACT_ONE_ROW); by default (fresh prompts through our attention kernel, fused norms where the
-CPU's kernels run) and in chunks they must agree to 1e-4; greedy continuations of 64 tokens must
-be identical in both modes.
+theirs bit for bit, except for a one-token prompt (see EXACT_ONE_ROW); by default (fresh prompts
+through our attention kernel, fused norms where the CPU's kernels run) and in chunks they must
+agree to 1e-4; greedy continuations of 64 tokens must be identical in both modes.
 """
 
 from __future__ import annotations
