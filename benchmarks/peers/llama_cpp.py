@@ -17,7 +17,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from benchmarks.peers import LOG_DIR, PEERS_DIR, PeerUnavailable, log_tail, usable_cpus
+from benchmarks.peers import LOG_DIR, PEERS_DIR, PeerUnavailable, log_tail, start_process, stop_group, usable_cpus
 
 SERVER = PEERS_DIR / "llama-server"
 MODELS = {"float32": PEERS_DIR / "models" / "smollm2-135m-f32.gguf",
@@ -53,7 +53,7 @@ class LlamaCpp:
         self.url = f"http://127.0.0.1:{port}"
         num_threads = str(len(usable_cpus()))
         with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(
+            self.process = start_process(
                 [str(SERVER), "--model", str(MODELS[dtype]), "--host", "127.0.0.1", "--port", str(port),
                  "--parallel", str(num_slots), "--no-kv-unified", "--ctx-size", str(num_slots * slot_tokens),
                  "--batch-size", str(max_num_batched_tokens), "--threads", num_threads,
@@ -62,7 +62,7 @@ class LlamaCpp:
                 stdout=log, stderr=subprocess.STDOUT)
         try:
             self._wait_healthy()
-        except PeerUnavailable:
+        except BaseException:  # not up, or Ctrl-C / SIGTERM while it loads
             self.close()
             raise
 
@@ -79,11 +79,7 @@ class LlamaCpp:
     def close(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_group(self.process, 10)
 
     def _complete(self, prompt: list[int], output_len: int) -> dict:
         body = json.dumps({"prompt": prompt, "n_predict": output_len, "temperature": 0, "ignore_eos": True,

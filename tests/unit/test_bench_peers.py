@@ -1,0 +1,78 @@
+"""The benchmarks' peer processes are stopped with every process they started, whatever way the
+benchmark ends: a peer's children that outlive it (vLLM's engine core and workers) once kept the
+cores busy and halved the next run's figures."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.peers import cpu_info, cpu_ranges, start_process, stop_group
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes whose process group is ``pgid``."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone between the listing and the read
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":   # fields: state ppid pgrp
+                members.append(int(entry.name))
+    return members
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_peer_leads_its_own_group_and_stop_takes_its_children_too():
+    process = start_process(["bash", "-c", "sleep 300 & sleep 300 & wait"])
+    assert wait_for(lambda: len(group_members(process.pid)) == 3)
+    assert os.getpgid(process.pid) == process.pid != os.getpgid(0)
+    stop_group(process, 0)
+    assert process.returncode is not None
+    assert group_members(process.pid) == []
+
+
+def test_children_that_outlive_the_peer_are_killed_after_it_exits():
+    # The leader exits at once and leaves its child behind, as vLLM's driver can leave its engine core.
+    with start_process(["bash", "-c", "sleep 300 & echo started; exit 0"], stdout=subprocess.PIPE) as process:
+        assert process.stdout.readline() == b"started\n"
+        stop_group(process, 5)
+    assert process.returncode == 0
+    assert group_members(process.pid) == []
+
+
+def test_a_peer_dies_with_the_benchmark_even_when_the_benchmark_is_killed():
+    starter = ("from benchmarks.peers import start_process; import sys, time; "
+               "p = start_process(['sleep', '300']); print(p.pid, flush=True); time.sleep(300)")
+    with subprocess.Popen([sys.executable, "-c", starter], cwd=ROOT, stdout=subprocess.PIPE) as benchmark:
+        try:
+            peer = int(benchmark.stdout.readline())
+            assert group_members(peer) == [peer]
+            benchmark.send_signal(signal.SIGKILL)   # no finally, no atexit: only the kernel can stop the peer
+            benchmark.wait()
+            assert wait_for(lambda: group_members(peer) == [])
+        finally:
+            benchmark.kill()
+
+
+def test_cpu_facts_and_ranges():
+    cpu = cpu_info()
+    assert cpu["num_usable_cpus"] == len(os.sched_getaffinity(0)) >= 1
+    assert isinstance(cpu["native_bf16"], bool) and isinstance(cpu["avx2"], bool)
+    assert cpu_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
