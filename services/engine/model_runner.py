@@ -32,6 +32,7 @@ import torch
 from services.common.config import check
 from services.engine.attention import AttentionMetadata, BlockTable, build_metadata
 from services.engine.grammar import GrammarMatchers
+from services.engine.kernels import openblas
 from services.engine.kernels import select as kernel_select
 from services.engine.models.config import ModelConfig
 from services.engine.models.llama import LlamaForCausalLM, rope_inv_freq
@@ -186,6 +187,11 @@ class ModelRunner:
         self._fresh_in_kernel = self.attention_backend == "cpu" and not exact_prefill
         if self._fresh_in_kernel:
             self.model.fuse_norms(self._kernels)
+        # And their products through OpenBLAS where it is faster than MKL (kernels/openblas.py).
+        product = openblas.prompt_product(self._kernels) if is_cpu_fp32 and not exact_prefill else None
+        if product is not None:
+            self.model.use_prompt_product(product)
+        self.prompt_blas = "openblas" if product is not None else "torch"
         check(not batch_invariant or is_cpu_fp32, "batch_invariant",
               f"needs the CPU's fp32 kernels (device cpu, dtype float32, a C compiler); this engine "
               f"runs {self.attention_backend} attention on {device}/{str(dtype).removeprefix('torch.')}")

@@ -51,6 +51,7 @@ SOURCES = tuple((Path(__file__).with_name(name), flags) for name, flags in (
     ("rms_norm.c", ()),
     ("rms_norm.c", BF16),
     ("small_gemm.c", ()),
+    ("blas_rows.c", ()),
     ("threads.c", ()),
 ))
 """Each source with the flags it adds to COMPILE_FLAGS (a source may be built more than once)."""
@@ -83,6 +84,10 @@ class CpuKernels:
     add_rms_norm: Callable[..., torch.Tensor]
     """``(x, residual | None, weight, eps) -> out``: ``x += residual`` in place, then RMSNorm
     of x into a new tensor (``rms_norm.c``)."""
+    blas_rows: Callable[..., torch.Tensor]
+    """``(sgemm, k_chunk, x [M, K], weight [N, K]) -> x W^T``: fp32, through ``sgemm``, the address
+    of a single-threaded cblas_sgemm (kernels/openblas.py), the rows split across the thread's
+    team, k summed ``k_chunk`` terms a call (``blas_rows.c``)."""
     bind_threads: Callable[[list[int]], int]
     """``(cpus) -> failures``: the calling thread's OpenMP team, ``len(cpus)`` threads, thread
     i bound to ``cpus[i]`` (see ``threads.c``); how many could not be bound."""
@@ -168,6 +173,8 @@ def _library() -> ctypes.CDLL | None:
     lib.small_gemm_pack.restype = None
     lib.small_gemm.argtypes = [ptr, i64, ptr, ptr, ptr] + [i64] * 4 + [i32]
     lib.small_gemm.restype = None
+    lib.blas_rows.argtypes = [ptr] * 4 + [i64] * 4 + [i32]
+    lib.blas_rows.restype = None
     lib.bind_threads.argtypes = [ptr, i32]
     lib.bind_threads.restype = i32
     return lib
@@ -268,9 +275,18 @@ def kernels() -> CpuKernels | None:
             x.numel() // x.shape[-1], x.shape[-1], eps, torch.get_num_threads())
         return out
 
+    def blas_rows(sgemm: int, k_chunk: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        assert x.dim() == 2 and x.dtype == weight.dtype == torch.float32 and x.shape[1] == weight.shape[1]
+        x = x.contiguous()
+        _check_elements(x, weight)
+        y = x.new_empty(x.shape[0], weight.shape[0])
+        lib.blas_rows(sgemm, x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0],
+                      x.shape[1], k_chunk, torch.get_num_threads())
+        return y
+
     def bind_threads(cpus: list[int]) -> int:
         ids = torch.tensor(cpus, dtype=torch.int64)
         return lib.bind_threads(ids.data_ptr(), len(cpus))
 
     return CpuKernels(paged_decode, paged_prefill, rope_store, pack_weight, small_gemm, add_rms_norm,
-                      bind_threads)
+                      blas_rows, bind_threads)

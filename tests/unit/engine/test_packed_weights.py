@@ -5,12 +5,13 @@ either way."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
 
 from services.engine import LLM, SamplingParams
-from services.engine.kernels import cpu
+from services.engine.kernels import cpu, openblas
 from services.engine.models.llama import Linear
 from tests.factories import make_tiny_model_dir
 
@@ -78,3 +79,41 @@ def test_decode_steps_use_the_packed_weights_and_prompt_steps_do_not(tmp_path, m
     packed_rows.clear()
     llm.engine.prompt_logits(prompts[0])
     assert packed_rows == []
+
+
+@pytest.mark.parametrize("num_in, num_out, bias", [(96, 200, True), (576, 960, False), (1000, 37, True)])
+def test_the_openblas_prompt_product_computes_the_same_product(kernels, num_in, num_out, bias):
+    sgemm = openblas.sgemm_address()
+    assert sgemm is not None, "scipy-openblas32 is pinned in requirements.txt"
+    torch.manual_seed(num_in)
+    layer = Linear(num_in, num_out, bias=bias)
+    layer.weight.normal_()
+    if bias:
+        layer.bias.normal_()
+    layer.product = functools.partial(kernels.blas_rows, sgemm, openblas.K_CHUNK)
+    for rows in (1, 15, 16, 17, 100, 333):
+        x = torch.randn(rows, num_in)
+        dense = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        got = layer(x)
+        assert (got - dense).abs().max().item() <= 1e-5 * dense.abs().max().item()
+        assert torch.equal(layer(x), got)  # the same bits every time
+        wide = torch.randn(rows, 2 * num_in)  # rows that lie apart are copied together first
+        wide[:, :num_in] = x
+        assert torch.equal(layer(wide[:, :num_in]), got)
+
+
+def test_engines_choose_their_prompt_products_by_the_setting(tiny_llama_dir, monkeypatch, kernels):
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate([5, 40, 130, 300])]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outputs = {}
+    for setting in ("mkl", "openblas"):
+        monkeypatch.setenv(openblas.BLAS_ENV, setting)
+        llm = LLM(str(tiny_llama_dir), num_kv_blocks=256, max_num_batched_tokens=96)
+        assert llm.engine.runner.prompt_blas == ("torch" if setting == "mkl" else "openblas")
+        outputs[setting] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outputs["openblas"] == outputs["mkl"]
+    # The exact mode keeps transformers' products whatever the setting.
+    assert LLM(str(tiny_llama_dir), num_kv_blocks=64, exact_prefill=True).engine.runner.prompt_blas == "torch"
+    monkeypatch.setenv(openblas.BLAS_ENV, "fast")
+    with pytest.raises(ValueError, match="must be one of"):
+        LLM(str(tiny_llama_dir), num_kv_blocks=64)
