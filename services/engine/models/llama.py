@@ -227,7 +227,8 @@ class LlamaForCausalLM(nn.Module):
         Measured here: 30 layers' linear products for 32 rows (weights cold in cache) take 32 ms
         against oneDNN's 40 and MKL's 46: a panel's weights are read from memory once, for all
         rows, while the next panel is prefetched. Steps with prompt tokens keep the dense
-        weights and MKL: its sums are transformers' own, and for thousands of rows it is faster.
+        weights and MKL (transformers' own sums), or OpenBLAS where it is faster
+        (:meth:`use_prompt_product`): for thousands of rows either beats the packed product.
         The copies double the memory of the weights.
         """
         for module in self.modules():

@@ -1,6 +1,6 @@
 """The CPU's small-batch product over packed weights: used by steps that only decode, never by
-steps with prompt tokens (whose sums must stay transformers' own), and the same greedy tokens
-either way."""
+steps with prompt tokens (MKL's products, or OpenBLAS's where it is chosen), and the same greedy
+tokens either way."""
 
 from __future__ import annotations
 
