@@ -39,8 +39,8 @@ Figures (the last line, JSON), for S in epd, vllm: ``S_output_tok_s``, ``S_ttft_
 ``S_processes_left`` (0), ``S_load_avg_1m`` (the machine's, as the timed load began); then
 ``throughput_vs_vllm``, ``ttft_p99_vs_vllm`` and ``itl_vs_vllm`` (mean ITL), epd over vLLM, null
 when vLLM is absent (``vllm_absent`` says why: --no-vllm, not installed, or it did not come up
-or answer: never an error), and ``cpu``, what they were taken on. On a 2-core machine shared with other work, with the load client on
-the same cores, the figures are indicative only.
+or answer: never an error), and ``cpu``, what they were taken on. On a 2-core machine shared
+with other work, with the load client on the same cores, the figures are indicative only.
 
     .venv/bin/python benchmarks/serving.py [--requests 48] [--concurrency 8] [--prompt-tokens 256]
         [--output-tokens 64] [--no-vllm] [--client auto|own|aiperf] [--epd-args '--prefills 2']

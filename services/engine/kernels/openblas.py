@@ -3,7 +3,8 @@
 A prefill step's linear layers (thousands of rows) are most of its time, and on the CPU torch
 runs them through MKL, which is Intel's: on an AMD EPYC (Zen 3, AVX2, 2 cores) it measured
 ~90-110 GFLOP/s on SmolLM2's shapes at 2,048 rows where OpenBLAS (its Haswell kernels) measured
-~125-135, and the offline benchmark went from 70.7 s to 63.0-64.0 s with the same greedy tokens.
+~125-135, and the offline benchmark went from 73.3 / 74.1 s to 69.5 / 70.1 s (alternated) with
+the same greedy tokens.
 On Intel CPUs MKL stays: it is their vendor's, and it was the machine's peak there.
 
 ``EPD_CPU_BLAS`` (read when an engine starts):
@@ -36,6 +37,8 @@ import torch
 from services.engine.kernels.cpu import CpuKernels
 
 logger = logging.getLogger(__name__)
+_LOADED: list[ctypes.CDLL] = []
+"""The library, held for the life of the process (its sgemm is called by address)."""
 
 BLAS_ENV = "EPD_CPU_BLAS"
 CHOICES = ("auto", "mkl", "openblas")
@@ -58,6 +61,7 @@ def sgemm_address() -> int | None:
     try:
         lib = ctypes.CDLL(str(Path(scipy_openblas32.get_lib_dir()) / f"lib{scipy_openblas32.get_library()}.so"))
         lib.scipy_openblas_set_num_threads(1)
+        _LOADED.append(lib)
         return ctypes.cast(lib.scipy_cblas_sgemm, ctypes.c_void_p).value
     except (OSError, AttributeError) as e:
         logger.warning("OpenBLAS did not load, prompt products stay on MKL: %s", e)

@@ -239,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
 
     def use_prompt_product(self, product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         """Every linear layer's unpacked products (prompt tokens, and decode tokens in the same
-        step) through ``product`` (kernels/openblas.py: ~10% faster prefill where it is chosen)."""
+        step) through ``product`` (kernels/openblas.py: ~5% faster offline where it is chosen)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.product = product
