@@ -12,22 +12,9 @@ import time
 from pathlib import Path
 
 from benchmarks.peers import cpu_info, cpu_ranges, start_process, stop_group
+from benchmarks.serving import session_pids as group_members  # a peer leads its own session and group
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes whose process group is ``pgid``."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:  # gone between the listing and the read
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":   # fields: state ppid pgrp
-                members.append(int(entry.name))
-    return members
 
 
 def wait_for(predicate, timeout_s: float = 10.0) -> bool:
