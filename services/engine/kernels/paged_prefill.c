@@ -92,18 +92,23 @@ static int by_cost_desc(const void *a, const void *b) {
         for (int u = 0; u < TB; u++) { s[t + u][0] = a[u][0]; s[t + u][1] = a[u][1]; }         \
     } while (0)
 
-/* O^T[d] = O^T[d] * corr + sum_t P[t] V[t][d] for DB dims at once, in registers over the chunk. */
+/* O^T[d] = O^T[d] * corr + sum_t P[t] V[t][d] for DB dims at once, in registers over the chunk.
+ * The chunk's sum starts from zero and is added once, as flash attention adds each block's
+ * product: one running sum over every key drifted further from a float64 reference than torch's
+ * SDPA (largest logit error 2.4x transformers' on an AMD Zen 4, against 1.0x with this). */
 #define VALUES(DB)                                                                            \
     do {                                                                                      \
-        vf a[DB][2];                                                                          \
-        for (int i = 0; i < DB; i++) { a[i][0] = ot[d + i][0] * corr[0]; a[i][1] = ot[d + i][1] * corr[1]; } \
+        vf a[DB][2] = {{{0}}};                                                                \
         for (int64_t t = 0; t < nt; t++) {                                                    \
             vf p0 = p[t][0], p1 = p[t][1];                                                    \
             IN_REGISTERS(p0, p1);                                                             \
             const elem *vt = krow[t] + half + d;                                             \
             for (int i = 0; i < DB; i++) { const float x = ld(vt[i]); a[i][0] += p0 * x; a[i][1] += p1 * x; }    \
         }                                                                                     \
-        for (int i = 0; i < DB; i++) { ot[d + i][0] = a[i][0]; ot[d + i][1] = a[i][1]; }      \
+        for (int i = 0; i < DB; i++) {                                                        \
+            ot[d + i][0] = ot[d + i][0] * corr[0] + a[i][0];                                  \
+            ot[d + i][1] = ot[d + i][1] * corr[1] + a[i][1];                                  \
+        }                                                                                     \
     } while (0)
 
 static inline __attribute__((always_inline)) void prefill_tile(
