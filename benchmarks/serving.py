@@ -15,8 +15,8 @@ One server at a time: start it (its own session, free ports), wait until it answ
 up with --concurrency requests (not timed), run the timed load, stop it (SIGINT, then SIGKILL
 to every process of its session) and check no process of it is left.
 
-The load client: aiperf 0.13 itself where it is installed (``.peers/aiperf``, its own venv:
-``python3 -m venv .peers/aiperf && .peers/aiperf/bin/pip install aiperf==0.13.0``), sending its
+The load client: aiperf 0.13 itself where it is installed (``.peers/aiperf``, its own venv, which
+``make bench-peers`` creates), sending its
 synthetic prompts (Shakespeare sonnet text, --random-seed fixed, so the same prompts
 for both servers); else (or with ``--client own``) our own httpx client (serving_load.py), measuring as
 aiperf does: TTFT from sending the request to the first chunk with content; a request's
@@ -328,8 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.client == "auto":
         args.client = "aiperf" if AIPERF.exists() else "own"
     if args.client == "aiperf" and not AIPERF.exists():
-        parser.error(f"--client aiperf needs {AIPERF}: python3 -m venv {AIPERF.parents[1]} && "
-                     f"{AIPERF.parent}/pip install aiperf==0.13.0")
+        parser.error(f"--client aiperf needs {AIPERF}: make bench-peers installs it")
     # SIGTERM unwinds like Ctrl-C, so the servers are stopped either way.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
