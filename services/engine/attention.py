@@ -150,9 +150,10 @@ class AttentionMetadata:
 
     @property
     def packed_products(self) -> bool:
-        """Linear layers use the packed small-batch product (one sequential sum per output, so
-        a row's result does not depend on the other rows): steps that only decode (drafts
-        included: a few rows each), for speed; every step in batch-invariant mode."""
+        """Linear layers use the packed product (a row's result does not depend on the other
+        rows) even where the model keeps torch's products for prompt tokens (MKL on Intel's CPUs,
+        the exact mode): steps that only decode (drafts included: a few rows each), for speed;
+        every step in batch-invariant mode."""
         return self.decode_only or self.is_verify_step or self.batch_invariant
 
     @property

@@ -32,7 +32,6 @@ import torch
 from services.common.config import check
 from services.engine.attention import AttentionMetadata, BlockTable, build_metadata
 from services.engine.grammar import GrammarMatchers
-from services.engine.kernels import openblas
 from services.engine.kernels import select as kernel_select
 from services.engine.models.config import ModelConfig
 from services.engine.models.llama import LlamaForCausalLM, rope_inv_freq
@@ -180,18 +179,16 @@ class ModelRunner:
         self.attention_backend = kernel_select.attention_backend(device, dtype)
         self._kernels = kernel_select.kernels_for(self.attention_backend)
         is_cpu_fp32 = self.attention_backend == "cpu" and dtype == torch.float32
-        if is_cpu_fp32:
-            self.model.pack_for_decode(self._kernels)
         # Unless prefill must be transformers' arithmetic: fresh prompts through the CPU's
-        # attention kernel, every RMSNorm (and the add before it) in one C pass.
+        # attention kernel, every RMSNorm (and the add before it) in one C pass, and (fp32, CPUs
+        # where it is chosen: kernels/select.py) the products through the packed weights too.
         self._fresh_in_kernel = self.attention_backend == "cpu" and not exact_prefill
         if self._fresh_in_kernel:
             self.model.fuse_norms(self._kernels)
-        # And their products through OpenBLAS where it is faster than MKL (kernels/openblas.py).
-        product = openblas.prompt_product(self._kernels) if is_cpu_fp32 and not exact_prefill else None
-        if product is not None:
-            self.model.use_prompt_product(product)
-        self.prompt_blas = "openblas" if product is not None else "torch"
+        packed_prompts = is_cpu_fp32 and not exact_prefill and kernel_select.packed_prompts()
+        if is_cpu_fp32:
+            self.model.pack(self._kernels, every_step=packed_prompts)
+        self.prompt_products = "packed" if packed_prompts else "torch"
         check(not batch_invariant or is_cpu_fp32, "batch_invariant",
               f"needs the CPU's fp32 kernels (device cpu, dtype float32, a C compiler); this engine "
               f"runs {self.attention_backend} attention on {device}/{str(dtype).removeprefix('torch.')}")

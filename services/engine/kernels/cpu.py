@@ -50,8 +50,7 @@ SOURCES = tuple((Path(__file__).with_name(name), flags) for name, flags in (
     ("rope_store.c", ("-ffp-contract=off", *BF16)),
     ("rms_norm.c", ()),
     ("rms_norm.c", BF16),
-    ("small_gemm.c", ()),
-    ("blas_rows.c", ()),
+    ("packed_gemm.c", ()),
     ("threads.c", ()),
 ))
 """Each source with the flags it adds to COMPILE_FLAGS (a source may be built more than once)."""
@@ -78,16 +77,13 @@ class CpuKernels:
     """``(qkv, cos, sin, kv_cache, slot_rows, k_offset, v_offset, num_heads) -> (q, k)``: RoPE
     on the fused projection's q and k, k and v stored at token rows ``slot_rows + offset``."""
     pack_weight: Callable[[torch.Tensor], torch.Tensor]
-    """``(weight [N, K]) -> packed``: a linear layer's weight in :attr:`small_gemm`'s panels."""
-    small_gemm: Callable[..., torch.Tensor]
-    """``(x [M, K], packed, bias | None, N) -> x W^T + bias``: for a decode step's few rows."""
+    """``(weight [N, K]) -> packed``: a linear layer's weight in :attr:`packed_gemm`'s panels."""
+    packed_gemm: Callable[..., torch.Tensor]
+    """``(x [M, K], packed, bias | None, N) -> x W^T + bias``: fp32, a row's result independent
+    of the other rows (``packed_gemm.c``)."""
     add_rms_norm: Callable[..., torch.Tensor]
     """``(x, residual | None, weight, eps) -> out``: ``x += residual`` in place, then RMSNorm
     of x into a new tensor (``rms_norm.c``)."""
-    blas_rows: Callable[..., torch.Tensor]
-    """``(sgemm, k_chunk, x [M, K], weight [N, K]) -> x W^T``: fp32, through ``sgemm``, the address
-    of a single-threaded cblas_sgemm (kernels/openblas.py), the rows split across the thread's
-    team, k summed ``k_chunk`` terms a call (``blas_rows.c``)."""
     bind_threads: Callable[[list[int]], int]
     """``(cpus) -> failures``: the calling thread's OpenMP team, ``len(cpus)`` threads, thread
     i bound to ``cpus[i]`` (see ``threads.c``); how many could not be bound."""
@@ -167,14 +163,12 @@ def _library() -> ctypes.CDLL | None:
         norm = getattr(lib, f"add_rms_norm_{suffix}")
         norm.argtypes = [ptr] * 4 + [i64] * 2 + [f32, i32]
         norm.restype = None
-    lib.small_gemm_packed_size.argtypes = [i64, i64]
-    lib.small_gemm_packed_size.restype = i64
-    lib.small_gemm_pack.argtypes = [ptr, ptr, i64, i64, i32]
-    lib.small_gemm_pack.restype = None
-    lib.small_gemm.argtypes = [ptr, i64, ptr, ptr, ptr] + [i64] * 4 + [i32]
-    lib.small_gemm.restype = None
-    lib.blas_rows.argtypes = [ptr] * 4 + [i64] * 4 + [i32]
-    lib.blas_rows.restype = None
+    lib.packed_gemm_size.argtypes = [i64, i64]
+    lib.packed_gemm_size.restype = i64
+    lib.packed_gemm_pack.argtypes = [ptr, ptr, i64, i64, i32]
+    lib.packed_gemm_pack.restype = None
+    lib.packed_gemm.argtypes = [ptr, i64, ptr, ptr, ptr] + [i64] * 4 + [i32]
+    lib.packed_gemm.restype = None
     lib.bind_threads.argtypes = [ptr, i32]
     lib.bind_threads.restype = i32
     return lib
@@ -202,7 +196,7 @@ def _entry(lib: ctypes.CDLL, kind: str, dtype: torch.dtype, head_dim: int | None
 def kernels() -> CpuKernels | None:
     """The kernels (see ``paged_decode.c``, ``paged_prefill.c``, ``rope_store.c``, ``rms_norm.c``), or None
     where they cannot be built. They take float32 or bfloat16 CPU tensors (one dtype a call;
-    the small product float32 only), all contiguous, and int64 index tensors (see the C sources
+    the packed product float32 only), all contiguous, and int64 index tensors (see the C sources
     for shapes).
     """
     lib = _library()
@@ -250,18 +244,18 @@ def kernels() -> CpuKernels | None:
     def pack_weight(weight: torch.Tensor) -> torch.Tensor:
         assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.device.type == "cpu"
         num_out, num_in = weight.shape
-        packed = weight.new_empty(lib.small_gemm_packed_size(num_out, num_in))
-        lib.small_gemm_pack(weight.data_ptr(), packed.data_ptr(), num_out, num_in, torch.get_num_threads())
+        packed = weight.new_empty(lib.packed_gemm_size(num_out, num_in))
+        lib.packed_gemm_pack(weight.data_ptr(), packed.data_ptr(), num_out, num_in, torch.get_num_threads())
         return packed
 
-    def small_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, num_out: int) -> torch.Tensor:
+    def packed_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, num_out: int) -> torch.Tensor:
         # Rows may lie apart (a column slice of a wider tensor), as long as each is contiguous.
         assert x.dim() == 2 and x.stride(1) == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
         num_rows, num_in = x.shape
-        assert packed.numel() == lib.small_gemm_packed_size(num_out, num_in)
+        assert packed.numel() == lib.packed_gemm_size(num_out, num_in)
         assert bias is None or (bias.is_contiguous() and bias.numel() == num_out)
         y = x.new_empty(num_rows, num_out)
-        lib.small_gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+        lib.packed_gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                        y.data_ptr(), num_out, num_rows, num_out, num_in, torch.get_num_threads())
         return y
 
@@ -275,18 +269,9 @@ def kernels() -> CpuKernels | None:
             x.numel() // x.shape[-1], x.shape[-1], eps, torch.get_num_threads())
         return out
 
-    def blas_rows(sgemm: int, k_chunk: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        assert x.dim() == 2 and x.dtype == weight.dtype == torch.float32 and x.shape[1] == weight.shape[1]
-        x = x.contiguous()
-        _check_elements(x, weight)
-        y = x.new_empty(x.shape[0], weight.shape[0])
-        lib.blas_rows(sgemm, x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0],
-                      x.shape[1], k_chunk, torch.get_num_threads())
-        return y
-
     def bind_threads(cpus: list[int]) -> int:
         ids = torch.tensor(cpus, dtype=torch.int64)
         return lib.bind_threads(ids.data_ptr(), len(cpus))
 
-    return CpuKernels(paged_decode, paged_prefill, rope_store, pack_weight, small_gemm, add_rms_norm,
-                      blas_rows, bind_threads)
+    return CpuKernels(paged_decode, paged_prefill, rope_store, pack_weight, packed_gemm, add_rms_norm,
+                      bind_threads)

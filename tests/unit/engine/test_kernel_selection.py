@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from services.engine.kernels import cpu
-from services.engine.kernels import openblas
 from services.engine.kernels import select as kernel_select
 
 CUDA = torch.device("cuda")  # a device value only: nothing here touches a GPU
@@ -79,19 +78,17 @@ def test_triton_kernels_are_imported_only_when_chosen():
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize("setting, vendor, is_installed, expected", [
-    ("auto", "AuthenticAMD", True, "openblas"),    # measured faster than MKL on AMD's Zen 3
-    ("auto", "GenuineIntel", True, "mkl"),         # Intel's own library on Intel's CPUs
-    ("auto", "", True, "openblas"),                # no vendor_id (e.g. not x86): not MKL's home turf
-    ("auto", "AuthenticAMD", False, "mkl"),        # scipy-openblas32 not installed
-    ("openblas", "GenuineIntel", True, "openblas"),
-    ("openblas", "AuthenticAMD", False, "mkl"),
-    ("mkl", "AuthenticAMD", True, "mkl"),
+@pytest.mark.parametrize("setting, vendor, expected", [
+    ("auto", "AuthenticAMD", "packed"),   # measured ahead of OpenBLAS and MKL on AMD's Zen 4
+    ("auto", "GenuineIntel", "mkl"),      # Intel's own library on Intel's CPUs
+    ("auto", "", "packed"),               # no vendor_id (e.g. not x86): not MKL's home turf
+    ("packed", "GenuineIntel", "packed"),
+    ("mkl", "AuthenticAMD", "mkl"),
 ])
-def test_prompt_products_go_to_openblas_by_cpu_vendor_and_setting(setting, vendor, is_installed, expected):
-    assert openblas.choose(setting, vendor, is_installed) == expected
+def test_prompt_products_are_chosen_by_cpu_vendor_and_setting(setting, vendor, expected):
+    assert kernel_select.choose_prompt_products(setting, vendor) == expected
 
 
 def test_an_unknown_blas_setting_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match="EPD_CPU_BLAS='fast': must be one of auto, mkl, openblas"):
-        openblas.choose("fast", "AuthenticAMD", True)
+    with pytest.raises(ValueError, match="EPD_CPU_BLAS='openblas': must be one of auto, mkl, packed"):
+        kernel_select.choose_prompt_products("openblas", "AuthenticAMD")

@@ -1,0 +1,137 @@
+/* y = x W^T (+ bias) against weights packed once at load: the linear layers' products on the
+ * CPU in fp32, for a decode step's few rows and a prefill step's thousands alike.
+ *
+ *   x       [M, K] float32, rows lda apart
+ *   packed  [ceil(N / NR), K, NR]: panel p holds W's rows p*NR .. p*NR+NR-1 transposed, so one
+ *           k gives the panel's NR outputs' weights as two contiguous vectors (zeros past N)
+ *   y       [M, N], rows ldy apart
+ *
+ * Every output is the same sum whatever M is: k in chunks of KC terms, each chunk summed in
+ * order from zero in a register and then added to the output ((c0 + c1) + c2 ...), the bias
+ * last. A row's result never depends on the other rows or on how they are split among threads,
+ * and the chunks keep the sums closer to exact than one long sequence (tests/integration/
+ * test_smollm2.py holds them to the float64 contract).
+ *
+ * The rows go in blocks of MB (a block's x stays in the core's L2), each (block, panel) pair a
+ * work item; within one, each KC x NR slice of the panel (24 KiB) stays in L1 while every
+ * MR-row tile of the block runs over it, MR x 2 vector accumulators in registers. A decode
+ * step's rows are one block, so the threads split the panels: each panel (K x NR floats) is
+ * read from memory once, for all rows, while the next one is prefetched.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "vector.h"
+
+/* MR x 2 accumulators, two weight vectors and a broadcast fit the vector registers: 32 with
+ * AVX-512, 16 with AVX2. */
+#ifdef __AVX512F__
+#define MR 12       /* rows per register tile */
+#else
+#define MR 6
+#endif
+#define NR (2 * W)  /* outputs per panel */
+#define MB (4 * MR) /* rows per block */
+#define KC 192      /* k per chunk */
+
+int64_t packed_gemm_size(int64_t N, int64_t K) { return (N + NR - 1) / NR * K * NR; }
+
+void packed_gemm_pack(const float *w, float *packed, int64_t N, int64_t K, int num_threads) {
+    const int64_t num_panels = (N + NR - 1) / NR;
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < num_panels; p++)
+        for (int64_t j = 0; j < NR; j++) {
+            const int64_t n = p * NR + j;
+            float *dst = packed + p * K * NR + j;
+            for (int64_t k = 0; k < K; k++) dst[k * NR] = n < N ? w[n * K + k] : 0.f;
+        }
+}
+
+/* One chunk of k (len terms) for rows 0 .. R-1 of a tile, added into their sums in out, rows
+ * ldo apart (first: stored). The _pf instances also prefetch the chunk's rows due, due + every...
+ * of the next panel (next: the same chunk of it); the test in the loop costs ~5%, so steps of
+ * many blocks, whose panels come from L3, run without it. */
+#define TILE(R, NAME, PF)                                                                     \
+    static void NAME(const float *restrict x, int64_t lda, const float *restrict panel, int64_t len, \
+                     float *restrict out, int64_t ldo, int first, const char *next, int64_t due,   \
+                     int64_t every) {                                                         \
+        vf a[R][2];                                                                           \
+        for (int i = 0; i < R; i++) a[i][0] = a[i][1] = (vf){0};                              \
+        if (!PF || !next) due = len;                                                          \
+        for (int64_t k = 0; k < len; k++) {                                                   \
+            if (PF && k == due) {                                                             \
+                due += every;                                                                 \
+                for (int off = 0; off < NR * 4; off += 64)                                    \
+                    __builtin_prefetch(next + k * NR * 4 + off, 0, 2);                        \
+            }                                                                                 \
+            const vf b0 = *(const vf *)(panel + k * NR), b1 = *(const vf *)(panel + k * NR + W); \
+            for (int i = 0; i < R; i++) {                                                     \
+                const float xi = x[i * lda + k];                                              \
+                a[i][0] += xi * b0;                                                           \
+                a[i][1] += xi * b1;                                                           \
+            }                                                                                 \
+        }                                                                                     \
+        for (int i = 0; i < R; i++) {                                                         \
+            vfu *o = (vfu *)(out + i * ldo), *o1 = (vfu *)(out + i * ldo + W);                \
+            *o = first ? a[i][0] : *o + a[i][0];                                              \
+            *o1 = first ? a[i][1] : *o1 + a[i][1];                                            \
+        }                                                                                     \
+    }
+#define TILES_FOR(R) TILE(R, tile_##R, 0) TILE(R, tile_##R##_pf, 1)
+TILES_FOR(1) TILES_FOR(2) TILES_FOR(3) TILES_FOR(4) TILES_FOR(5) TILES_FOR(6)
+#if MR > 6
+TILES_FOR(7) TILES_FOR(8) TILES_FOR(9) TILES_FOR(10) TILES_FOR(11) TILES_FOR(12)
+#endif
+
+typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int, const char *,
+                        int64_t, int64_t);
+static const tile_fn TILES[2][MR + 1] = {
+    {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6,
+#if MR > 6
+     tile_7, tile_8, tile_9, tile_10, tile_11, tile_12
+#endif
+    },
+    {0, tile_1_pf, tile_2_pf, tile_3_pf, tile_4_pf, tile_5_pf, tile_6_pf,
+#if MR > 6
+     tile_7_pf, tile_8_pf, tile_9_pf, tile_10_pf, tile_11_pf, tile_12_pf
+#endif
+    },
+};
+
+void packed_gemm(const float *x, int64_t lda, const float *packed, const float *bias, float *y,
+                 int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {
+    const int64_t num_panels = (N + NR - 1) / NR, num_blocks = (M + MB - 1) / MB;
+    const tile_fn *tiles = TILES[num_blocks == 1];
+    #pragma omp parallel for schedule(static) collapse(2) num_threads(num_threads)
+    for (int64_t blk = 0; blk < num_blocks; blk++)
+        for (int64_t p = 0; p < num_panels; p++) {
+            const float *panel = packed + p * K * NR;
+            const int64_t n0 = p * NR, width = N - n0 < NR ? N - n0 : NR;
+            const int64_t r0 = blk * MB, r1 = r0 + MB < M ? r0 + MB : M, num_tiles = (r1 - r0 + MR - 1) / MR;
+            /* Whole panels sum into y, a narrower last one into a scratch tile. */
+            float scratch[MB * NR];
+            float *out = width == NR ? y + r0 * ldy + n0 : scratch;
+            const int64_t ldo = width == NR ? ldy : NR;
+            /* Pass t of the block's T tiles over a chunk also pulls the next panel's rows t,
+             * t + T, t + 2T... of that chunk into L2 (a prefetch never faults, past the end
+             * neither), so the next panel's reads are spread over all the passes rather than
+             * asked of the first alone, faster than memory gives them. */
+            const char *next = p + 1 < num_panels ? (const char *)(panel + K * NR) : 0;
+            for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                const int64_t len = K - k0 < KC ? K - k0 : KC;
+                for (int64_t t = 0; t < num_tiles; t++) {
+                    const int64_t i0 = t * MR, rows = r1 - r0 - i0 < MR ? r1 - r0 - i0 : MR;
+                    tiles[rows](x + (r0 + i0) * lda + k0, lda, panel + k0 * NR, len, out + i0 * ldo, ldo,
+                                k0 == 0, next ? next + k0 * NR * 4 : 0, t, num_tiles);
+                }
+            }
+            if (bias || width < NR) {
+                vf b[2] = {{0}, {0}};
+                if (bias) memcpy(b, bias + n0, width * sizeof(float));
+                for (int64_t i = 0; i < r1 - r0; i++) {
+                    const vf v[2] = {*(vfu *)(out + i * ldo) + b[0], *(vfu *)(out + i * ldo + W) + b[1]};
+                    memcpy(y + (r0 + i) * ldy + n0, v, width * sizeof(float));
+                }
+            }
+        }
+}
