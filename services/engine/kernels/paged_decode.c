@@ -7,9 +7,12 @@
  *   window > 0: a sliding-window layer, the query sees only the last `window` positions
  *
  * One work item per sequence: it reads each of its blocks' K and V for the layer as two
- * contiguous ranges, prefetching the next block row by row while this one is used, and keeps an
- * online softmax per head (a running max, sum and weighted V). Each sequence's result depends on
- * its own context only, never on the rest of the batch.
+ * contiguous ranges and keeps an online softmax per head (a running max, sum and weighted V).
+ * While it uses a block it prefetches the next one row by row into L2, the K rows while it
+ * scores and the V rows while it sums: prefetched into L1 (all in the scoring loop) the reads
+ * had stalled on L1's few outstanding misses, 62-66 ms for SmolLM2's 32-sequence decode step
+ * (13 GB/s) against 39-44 ms now (20-24 GB/s; 23 ms when every block is in cache) on an AMD
+ * Zen 4. Each sequence's result depends on its own context only, never on the rest of the batch.
  *
  * Built with -O3 -march=native -ffast-math (vector expf, reassociated sums): results match the
  * torch path to ~1e-6, not bit for bit. head_dim is a compile-time constant in the specialised
@@ -44,10 +47,8 @@ static inline __attribute__((always_inline)) void decode_one(
             ? (const char *)(kv + table[blk + 1] * block_stride + layer_offset) : 0;
         for (int64_t t = t0; t < ntok; t++) {
             if (next)
-                for (int64_t off = 0; off < tok_stride * (int64_t)sizeof(elem); off += 64) {
-                    __builtin_prefetch(next + t * tok_stride * sizeof(elem) + off, 0, 3);
-                    __builtin_prefetch(next + (half + t * tok_stride) * sizeof(elem) + off, 0, 3);
-                }
+                for (int64_t off = 0; off < tok_stride * (int64_t)sizeof(elem); off += 64)
+                    __builtin_prefetch(next + t * tok_stride * sizeof(elem) + off, 0, 1);
             const elem *kt = kb + t * tok_stride;
             for (int64_t h = 0; h < H; h++) {
                 const float *qh = qs + h * D;
@@ -67,6 +68,9 @@ static inline __attribute__((always_inline)) void decode_one(
             for (int64_t d = 0; d < D; d++) acc[h * D + d] *= corr;
         }
         for (int64_t t = t0; t < ntok; t++) {
+            if (next)
+                for (int64_t off = 0; off < tok_stride * (int64_t)sizeof(elem); off += 64)
+                    __builtin_prefetch(next + (half + t * tok_stride) * sizeof(elem) + off, 0, 1);
             const elem *vt = vb + t * tok_stride;
             for (int64_t h = 0; h < H; h++) {
                 const float p = s[h * B + t];
