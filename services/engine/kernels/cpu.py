@@ -256,7 +256,7 @@ def kernels() -> CpuKernels | None:
         assert bias is None or (bias.is_contiguous() and bias.numel() == num_out)
         y = x.new_empty(num_rows, num_out)
         lib.packed_gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                       y.data_ptr(), num_out, num_rows, num_out, num_in, torch.get_num_threads())
+                        y.data_ptr(), num_out, num_rows, num_out, num_in, torch.get_num_threads())
         return y
 
     def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

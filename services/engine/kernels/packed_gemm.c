@@ -14,10 +14,10 @@
  *
  * The rows go in blocks of MB (a block's x stays in the core's L2), each (block, panel) pair a
  * work item (two adjacent panels with AVX-512, below); within one, each KC x NR slice of the
- * panel (24 KiB) stays in L1 while every MR-row tile of the block runs over it, MR x 2 vector
- * accumulators in registers. A decode
- * step's rows (up to ONE_BLOCK) are one block, so the threads split the panels: each panel
- * (K x NR floats) is read from memory once, for all rows, while the next one is prefetched.
+ * panel (24 KiB) stays in cache while every MR-row tile of the block runs over it, MR x 2
+ * vector accumulators in registers. A decode step's rows (up to ONE_BLOCK) are one block, so
+ * the threads split the panels: each panel (K x NR floats) is read from memory once, for all
+ * rows, while the next one is prefetched.
  */
 #include <stdint.h>
 #include <string.h>

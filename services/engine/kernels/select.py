@@ -18,9 +18,9 @@ the same packed product as decode steps (``packed_gemm.c``) on CPUs not made by 
     packed    the packed product everywhere
 
 On an AMD EPYC Zen 4 (AVX-512, 2 cores) the packed product runs SmolLM2's shapes at 2,048 rows
-at ~200-210 GFLOP/s, level with OpenBLAS's and ahead of MKL's (~180-200), and the offline
-benchmark went from 40.5 / 38.9 s (OpenBLAS, alternated) to 35.5 / 36.8 s with the same
-tokens: its rows stay in L2 and its panels' slices in L1, with no copies of its own. On Intel's
+at ~200-215 GFLOP/s, ahead of MKL's (~180-200), with the same bits as OpenBLAS's product in
+chunks of k (which it replaces there), and the offline benchmark went from 40.5 / 38.9 s
+(OpenBLAS, alternated) to 35.5 / 36.8 s with the same tokens. On Intel's
 CPUs MKL stays: it is their vendor's, and it was the machine's peak there. The choice is a
 function of the CPU (and the variable), never of a timing, so every engine on the same kind of
 machine computes the same bits. ``exact_prefill`` keeps MKL, transformers' own products.
