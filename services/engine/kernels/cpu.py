@@ -81,6 +81,12 @@ class CpuKernels:
     packed_gemm: Callable[..., torch.Tensor]
     """``(x [M, K], packed, bias | None, N) -> x W^T + bias``: fp32, a row's result independent
     of the other rows (``packed_gemm.c``)."""
+    pack_gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """``(gate [N, K], up [N, K]) -> packed``: SwiGLU's two weights, packed together for
+    :attr:`packed_gemm_gated`."""
+    packed_gemm_gated: Callable[..., torch.Tensor]
+    """``(x [M, K], packed, N) -> silu(x Wg^T) * (x Wu^T)``: the two products' sums as
+    :attr:`packed_gemm` makes them, SiLU and the product in its epilogue."""
     add_rms_norm: Callable[..., torch.Tensor]
     """``(x, residual | None, weight, eps) -> out``: ``x += residual`` in place, then RMSNorm
     of x into a new tensor (``rms_norm.c``)."""
@@ -169,6 +175,10 @@ def _library() -> ctypes.CDLL | None:
     lib.packed_gemm_pack.restype = None
     lib.packed_gemm.argtypes = [ptr, i64, ptr, ptr, ptr] + [i64] * 4 + [i32]
     lib.packed_gemm.restype = None
+    lib.packed_gemm_pack_gated.argtypes = [ptr, ptr, ptr, i64, i64, i32]
+    lib.packed_gemm_pack_gated.restype = None
+    lib.packed_gemm_gated.argtypes = [ptr, i64, ptr, ptr] + [i64] * 4 + [i32]
+    lib.packed_gemm_gated.restype = None
     lib.bind_threads.argtypes = [ptr, i32]
     lib.bind_threads.restype = i32
     return lib
@@ -259,6 +269,25 @@ def kernels() -> CpuKernels | None:
                         y.data_ptr(), num_out, num_rows, num_out, num_in, torch.get_num_threads())
         return y
 
+    def pack_gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        for w in (gate, up):
+            assert w.dtype == torch.float32 and w.is_contiguous() and w.device.type == "cpu"
+        assert gate.shape == up.shape
+        num_out, num_in = gate.shape
+        packed = gate.new_empty(2 * lib.packed_gemm_size(num_out, num_in))
+        lib.packed_gemm_pack_gated(gate.data_ptr(), up.data_ptr(), packed.data_ptr(), num_out, num_in,
+                                   torch.get_num_threads())
+        return packed
+
+    def packed_gemm_gated(x: torch.Tensor, packed: torch.Tensor, num_out: int) -> torch.Tensor:
+        assert x.dim() == 2 and x.stride(1) == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
+        num_rows, num_in = x.shape
+        assert packed.numel() == 2 * lib.packed_gemm_size(num_out, num_in)
+        y = x.new_empty(num_rows, num_out)
+        lib.packed_gemm_gated(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), num_out, num_rows,
+                              num_out, num_in, torch.get_num_threads())
+        return y
+
     def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
         out = torch.empty_like(x)
@@ -273,5 +302,6 @@ def kernels() -> CpuKernels | None:
         ids = torch.tensor(cpus, dtype=torch.int64)
         return lib.bind_threads(ids.data_ptr(), len(cpus))
 
-    return CpuKernels(paged_decode, paged_prefill, rope_store, pack_weight, packed_gemm, add_rms_norm,
-                      bind_threads)
+    return CpuKernels(paged_decode=paged_decode, paged_prefill=paged_prefill, rope_store=rope_store,
+                      pack_weight=pack_weight, packed_gemm=packed_gemm, pack_gated=pack_gated,
+                      packed_gemm_gated=packed_gemm_gated, add_rms_norm=add_rms_norm, bind_threads=bind_threads)

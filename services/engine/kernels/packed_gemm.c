@@ -18,6 +18,11 @@
  * vector accumulators in registers. A decode step's rows (up to ONE_BLOCK) are one block, so
  * the threads split the panels: each panel (K x NR floats) is read from memory once, for all
  * rows, while the next one is prefetched.
+ *
+ * The gated form (packed_gemm_gated, SwiGLU) takes gate's and up's weights packed together,
+ * gate's panel p then up's (packed_gemm_pack_gated): an item computes both panels' sums for one
+ * panel of outputs, exactly as the plain product would, into a scratch tile, and writes only
+ * silu(gate) * up.
  */
 #include <stdint.h>
 #include <string.h>
@@ -38,15 +43,30 @@
 
 int64_t packed_gemm_size(int64_t N, int64_t K) { return (N + NR - 1) / NR * K * NR; }
 
+/* Panel p of w [N, K] into dst [K, NR], zeros past N. */
+static void pack_panel(const float *w, float *dst, int64_t N, int64_t K, int64_t p) {
+    for (int64_t j = 0; j < NR; j++) {
+        const int64_t n = p * NR + j;
+        for (int64_t k = 0; k < K; k++) dst[k * NR + j] = n < N ? w[n * K + k] : 0.f;
+    }
+}
+
 void packed_gemm_pack(const float *w, float *packed, int64_t N, int64_t K, int num_threads) {
     const int64_t num_panels = (N + NR - 1) / NR;
     #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t p = 0; p < num_panels; p++)
-        for (int64_t j = 0; j < NR; j++) {
-            const int64_t n = p * NR + j;
-            float *dst = packed + p * K * NR + j;
-            for (int64_t k = 0; k < K; k++) dst[k * NR] = n < N ? w[n * K + k] : 0.f;
-        }
+    for (int64_t p = 0; p < num_panels; p++) pack_panel(w, packed + p * K * NR, N, K, p);
+}
+
+/* A gated pair (SwiGLU's gate and up, each [N, K]) packed for packed_gemm_gated: 2 x
+ * packed_gemm_size(N, K) floats, gate's panel p then up's panel p, for every p. */
+void packed_gemm_pack_gated(const float *gate, const float *up, float *packed, int64_t N, int64_t K,
+                            int num_threads) {
+    const int64_t num_panels = (N + NR - 1) / NR;
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < num_panels; p++) {
+        pack_panel(gate, packed + 2 * p * K * NR, N, K, p);
+        pack_panel(up, packed + (2 * p + 1) * K * NR, N, K, p);
+    }
 }
 
 /* One chunk of k (len terms) for rows 0 .. R-1 of a tile, added into their sums in out, rows
@@ -134,56 +154,95 @@ static const pair_fn PAIRS[MR / 2 + 1] = {0, pair_1, pair_2, pair_3, pair_4, pai
 #define SPAN 1
 #endif
 
-void packed_gemm(const float *x, int64_t lda, const float *packed, const float *bias, float *y,
-                 int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {
+/* y = x W^T + bias, or gated (bias none): y = silu(x Wg^T) * (x Wu^T), from panels packed by
+ * packed_gemm_pack_gated. The gated product's two sums for an output are those of two plain
+ * products; they meet in a scratch tile and only silu(g) * u is written. */
+static void product(const float *x, int64_t lda, const float *packed, const float *bias, float *y, int64_t ldy,
+                    int64_t M, int64_t N, int64_t K, int gated, int num_threads) {
     /* Up to ONE_BLOCK rows (a decode step's) are one block, so each panel is read from memory
      * once for all of them, the next one prefetched meanwhile. */
-    const int64_t block_rows = M <= ONE_BLOCK ? M : MB, num_panels = (N + NR - 1) / NR;
+    const int64_t block_rows = M <= ONE_BLOCK ? M : MB, num_out_panels = (N + NR - 1) / NR;
     const int64_t num_blocks = M <= ONE_BLOCK ? 1 : (M + MB - 1) / MB;
+    const int64_t num_panels = gated ? 2 * num_out_panels : num_out_panels;
     const tile_fn *tiles = TILES[num_blocks == 1];
-    /* An item is one panel, or with SPAN 2 two adjacent ones where there are many blocks. */
-    const int64_t span = num_blocks == 1 ? 1 : SPAN, num_items = (num_panels + span - 1) / span;
+    /* An item is one panel; with SPAN 2 two adjacent ones where there are many blocks; gated,
+     * always the two (gate's and up's) of one panel of outputs. */
+    const int64_t span = gated ? 2 : num_blocks == 1 ? 1 : SPAN, num_items = (num_panels + span - 1) / span;
     #pragma omp parallel for schedule(static) collapse(2) num_threads(num_threads)
     for (int64_t blk = 0; blk < num_blocks; blk++)
         for (int64_t item = 0; item < num_items; item++) {
             const int64_t p = item * span, np = num_panels - p < span ? num_panels - p : span;
             const float *panel = packed + p * K * NR;
-            const int64_t n0 = p * NR, width = N - n0 < np * NR ? N - n0 : np * NR;
+            const int64_t out_panels = gated ? 1 : np, n0 = (gated ? item : p) * NR;
+            const int64_t width = N - n0 < out_panels * NR ? N - n0 : out_panels * NR;
             const int64_t r0 = blk * block_rows, r1 = r0 + block_rows < M ? r0 + block_rows : M;
             const int64_t num_tiles = (r1 - r0 + MR - 1) / MR;
-            /* Whole panels sum into y, a narrower last one into a scratch tile. */
-            float scratch[ONE_BLOCK * SPAN * NR];
-            float *out = width == np * NR ? y + r0 * ldy + n0 : scratch;
-            const int64_t ldo = width == np * NR ? ldy : np * NR;
-            /* Pass t of the block's T tiles over a chunk also pulls the next panel's rows t,
-             * t + T, t + 2T... of that chunk into L2 (a prefetch never faults, past the end
-             * neither), so the next panel's reads are spread over all the passes rather than
-             * asked of the first alone, faster than memory gives them. */
-            const char *next = p + 1 < num_panels ? (const char *)(panel + K * NR) : 0;
-            for (int64_t k0 = 0; k0 < K; k0 += KC) {
-                const int64_t len = K - k0 < KC ? K - k0 : KC;
+            /* Whole plain panels sum into y; gated ones and a narrower last one into a scratch tile. */
+            float scratch[ONE_BLOCK * 2 * NR];
+            const int direct = !gated && width == np * NR;
+            float *out = direct ? y + r0 * ldy + n0 : scratch;
+            const int64_t ldo = direct ? ldy : np * NR;
 #ifdef __AVX512F__
-                if (np == 2) {
+            if (np == 2 && num_blocks > 1) {
+                for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                    const int64_t len = K - k0 < KC ? K - k0 : KC;
                     for (int64_t i0 = 0; i0 < r1 - r0; i0 += MR / 2) {
                         const int64_t rows = r1 - r0 - i0 < MR / 2 ? r1 - r0 - i0 : MR / 2;
                         PAIRS[rows](x + (r0 + i0) * lda + k0, lda, panel + k0 * NR, panel + (K + k0) * NR, len,
                                     out + i0 * ldo, ldo, k0 == 0);
                     }
-                    continue;
                 }
+            } else
 #endif
-                for (int64_t t = 0; t < num_tiles; t++) {
-                    const int64_t i0 = t * MR, rows = r1 - r0 - i0 < MR ? r1 - r0 - i0 : MR;
-                    tiles[rows](x + (r0 + i0) * lda + k0, lda, panel + k0 * NR, len, out + i0 * ldo, ldo,
-                                k0 == 0, next ? next + k0 * NR * 4 : 0, t, num_tiles);
+            /* A panel at a time, all its chunks, while the next one (in memory) is prefetched:
+             * pass t of the block's T tiles over a chunk also pulls the next panel's rows t,
+             * t + T, t + 2T... of that chunk into L2 (a prefetch never faults, past the end
+             * neither), so the next panel's reads are spread over all the passes rather than
+             * asked of the first alone, faster than memory gives them. */
+            for (int64_t q = 0; q < np; q++) {
+                const float *pq = panel + q * K * NR;
+                const char *next = p + q + 1 < num_panels ? (const char *)(pq + K * NR) : 0;
+                for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                    const int64_t len = K - k0 < KC ? K - k0 : KC;
+                    for (int64_t t = 0; t < num_tiles; t++) {
+                        const int64_t i0 = t * MR, rows = r1 - r0 - i0 < MR ? r1 - r0 - i0 : MR;
+                        tiles[rows](x + (r0 + i0) * lda + k0, lda, pq + k0 * NR, len, out + i0 * ldo + q * NR, ldo,
+                                    k0 == 0, next ? next + k0 * NR * 4 : 0, t, num_tiles);
+                    }
                 }
             }
-            if (bias || width < np * NR) {
+            if (gated) {
+                for (int64_t i = 0; i < r1 - r0; i++) {
+                    float *dst = y + (r0 + i) * ldy + n0;
+                    for (int64_t j = 0; j < width; j += W) {
+                        const vf h = vsilu(*(const vfu *)(out + i * ldo + j)) * *(const vfu *)(out + i * ldo + NR + j);
+                        if (j + W <= width)
+                            *(vfu *)(dst + j) = h;
+                        else
+                            for (int64_t l = 0; j + l < width; l++) dst[j + l] = h[l];
+                    }
+                }
+            } else if (!direct) {
                 for (int64_t i = 0; i < r1 - r0; i++) {
                     float *dst = y + (r0 + i) * ldy + n0;
                     const float *sums = out + i * ldo;
                     for (int64_t j = 0; j < width; j++) dst[j] = bias ? sums[j] + bias[n0 + j] : sums[j];
                 }
+            } else if (bias) {
+                for (int64_t i = 0; i < r1 - r0; i++) {
+                    float *dst = y + (r0 + i) * ldy + n0;
+                    for (int64_t j = 0; j < width; j++) dst[j] += bias[n0 + j];
+                }
             }
         }
+}
+
+void packed_gemm(const float *x, int64_t lda, const float *packed, const float *bias, float *y,
+                 int64_t ldy, int64_t M, int64_t N, int64_t K, int num_threads) {
+    product(x, lda, packed, bias, y, ldy, M, N, K, 0, num_threads);
+}
+
+void packed_gemm_gated(const float *x, int64_t lda, const float *packed, float *y, int64_t ldy, int64_t M,
+                       int64_t N, int64_t K, int num_threads) {
+    product(x, lda, packed, 0, y, ldy, M, N, K, 1, num_threads);
 }

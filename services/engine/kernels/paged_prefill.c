@@ -39,32 +39,6 @@
  * spilled: 54 against 95 GFLOP/s at 947 tokens on 2 Zen 3 cores). */
 #define TILE_KEYS (W == 16 ? 8 : 4)
 
-static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
-
-static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
-
-/* e^x for x <= 0 (exp(x) = 2^n e^r, |r| <= ln2 / 2; Cephes' polynomial for e^r), 0 below -87. */
-static inline vf vexp(vf x) {
-    const vf lo = splat(-87.0f);
-    vi under = x < lo;
-    x = vmax(x, lo);
-    vf y = x * 1.44269504088896341f + 0.5f;
-    vi n = __builtin_convertvector(y, vi);
-    n -= (vi)(__builtin_convertvector(n, vf) > y) & 1;  /* truncation -> floor */
-    vf fn = __builtin_convertvector(n, vf);
-    vf r = x - fn * 0.693359375f;
-    r = r + fn * 2.12194440e-4f;
-    vf p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    vf scale = (vf)((n + 127) << 23);
-    return vselect(under, splat(0.f), p * scale);
-}
-
 struct item { int64_t span, kv_head, first_lane, cost; };
 
 static int by_cost_desc(const void *a, const void *b) {

@@ -15,4 +15,38 @@ typedef float vfu __attribute__((vector_size(4 * W), aligned(4)));  /* at any fl
 
 static inline vf splat(float x) { return (vf){0} + x; }
 
+static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
+static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
+
+/* e^x for x <= 0 (exp(x) = 2^n e^r, |r| <= ln2 / 2; Cephes' polynomial for e^r), 0 below -87. */
+static inline vf vexp(vf x) {
+    const vf lo = splat(-87.0f);
+    vi under = x < lo;
+    x = vmax(x, lo);
+    vf y = x * 1.44269504088896341f + 0.5f;
+    vi n = __builtin_convertvector(y, vi);
+    n -= (vi)(__builtin_convertvector(n, vf) > y) & 1;  /* truncation -> floor */
+    vf fn = __builtin_convertvector(n, vf);
+    vf r = x - fn * 0.693359375f;
+    r = r + fn * 2.12194440e-4f;
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vf scale = (vf)((n + 127) << 23);
+    return vselect(under, splat(0.f), p * scale);
+}
+
+/* x * sigmoid(x), one exp of -|x| (never overflows): x / (1 + e^-x), or for x < 0 the same
+ * value as x e^x / (1 + e^x). A few ulps from torch's SiLU (another exp). */
+static inline vf vsilu(vf x) {
+    const vi negative = x < 0;
+    const vf e = vexp(vselect(negative, x, -x));
+    return vselect(negative, x * e, x) / (1.0f + e);
+}
+
 #endif
