@@ -11,11 +11,15 @@ import asyncio
 import logging
 import sys
 
-from services.common.config import config_or_exit
-from services.engine.serving.instance import EngineInstance, serve_instance
-from services.prefill.config import PrefillConfig
-from services.prefill.servicer import add_to_server
-from services.prefill.worker import PrefillWorker
+from services.engine.threads import sleep_when_idle
+
+sleep_when_idle()  # before the imports below load torch, and libgomp, which reads it once
+
+from services.common.config import config_or_exit  # noqa: E402
+from services.engine.serving.instance import EngineInstance, serve_instance  # noqa: E402
+from services.prefill.config import PrefillConfig  # noqa: E402
+from services.prefill.servicer import add_to_server  # noqa: E402
+from services.prefill.worker import PrefillWorker  # noqa: E402
 
 
 async def run(config: PrefillConfig) -> int:

@@ -73,7 +73,8 @@ static inline void store(elem *p, vf v, int64_t n) {
 
 void EXPORT(add_rms_norm, )(elem *x, const elem *residual, const elem *weight, elem *out,
                             int64_t num_rows, int64_t dim, float eps, int num_threads) {
-    #pragma omp parallel for schedule(static) num_threads(num_rows * dim < SMALL ? 1 : num_threads)
+    /* 16 rows at a time to whichever thread is free: see packed_gemm.c's note on sharing cores. */
+    #pragma omp parallel for schedule(dynamic, 16) num_threads(num_rows * dim < SMALL ? 1 : num_threads)
     for (int64_t r = 0; r < num_rows; r++) {
         elem *xr = x + r * dim, *o = out + r * dim;
         const elem *res = residual ? residual + r * dim : 0;

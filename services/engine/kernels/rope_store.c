@@ -33,7 +33,8 @@ void EXPORT(rope_store, )(const elem *qkv, const elem *cos, const elem *sin, ele
                           int num_threads) {
     const int64_t D = head_dim, q_size = num_heads * D, kv_size = num_kv_heads * D;
     const int64_t row = q_size + 2 * kv_size;
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    /* 16 rows at a time to whichever thread is free: see packed_gemm.c's note on sharing cores. */
+    #pragma omp parallel for schedule(dynamic, 16) num_threads(num_threads)
     for (int64_t t = 0; t < num_tokens; t++) {
         const elem *x = qkv + t * row, *c = cos + t * D, *s = sin + t * D;
         elem *k_dst = kv + (slot_rows[t] + k_offset) * kv_size, *v_dst = kv + (slot_rows[t] + v_offset) * kv_size;

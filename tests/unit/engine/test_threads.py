@@ -4,6 +4,9 @@ and niced (the OS's own record of each thread), and epd up's split of CPUs betwe
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -101,3 +104,18 @@ def test_epd_up_splits_the_cpus_between_its_engines_when_asked(monkeypatch, cpus
     assert Cluster(UpConfig(device="cpu", cpu_threads="auto"))._cpu_threads("prefill", 0) == "auto"
     # The default shares the CPUs unbound (measured faster here, decode niced; see threads.py).
     assert Cluster(UpConfig(device="cpu", prefills=prefills, decodes=decodes))._cpu_threads("prefill", 0) == "off"
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_engine_servers_compute_threads_sleep_when_idle_unless_told_otherwise(role):
+    """libgomp's own record (OMP_DISPLAY_ENV): the server set OMP_WAIT_POLICY before torch loaded
+    it, so an idle thread does not spin (GOMP_SPINCOUNT 0); a policy in the environment wins."""
+    def libgomp_spincount(**env) -> str:
+        environ = {k: v for k, v in os.environ.items() if k != threads.WAIT_POLICY}
+        done = subprocess.run([sys.executable, "-m", f"services.{role}", "--help"], capture_output=True,
+                              text=True, timeout=120, env={**environ, "OMP_DISPLAY_ENV": "verbose", **env})
+        assert done.returncode == 0, done.stderr[-2000:]
+        return re.search(r"GOMP_SPINCOUNT = '(\d+)'", done.stderr).group(1)
+
+    assert libgomp_spincount() == "0"
+    assert libgomp_spincount(OMP_WAIT_POLICY="active") != "0"
