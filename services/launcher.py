@@ -110,10 +110,13 @@ class Cluster:
         return self._spawn(name, f"services.{role}", args)
 
     def _cpu_threads(self, role: str, index: int) -> str:
-        """An engine process's --cpu-threads: with "split", the cluster's first prefills and
-        decodes each take an equal run of the usable CPUs (prefills first), when every one of
-        them can have at least one; anything else shares them unbound."""
+        """An engine process's --cpu-threads: with "prefill", CPU prefills bind to every CPU and
+        decodes stay unbound; with "split", the cluster's first prefills and decodes each take
+        an equal run of the usable CPUs (prefills first), when every one of them can have at
+        least one; anything else shares them unbound."""
         c = self.config
+        if c.cpu_threads == "prefill":
+            return "auto" if role == "prefill" and c.device != "cuda" else "off"
         if c.cpu_threads != "split":
             return c.cpu_threads
         cpus, num_engines = usable_cpus(), c.prefills + c.decodes

@@ -43,12 +43,14 @@ class UpConfig:
     """"cpu", "cuda" or "auto" for every engine."""
     dtype: str = "auto"
     """Every engine's dtype: "float32", "bfloat16" or "auto" (see the engines' --dtype)."""
-    cpu_threads: str = "off"
-    """CPU engines' compute threads: "off" (unbound: the OS shares this machine's CPUs among them),
-    "split" (each prefill and decode process started with the cluster gets its own equal share
-    of the CPUs, its threads bound there, when there are at least as many CPUs as those
-    processes; otherwise, and for processes scaled out later, off), or "auto" (every engine
-    binds to all of them). See services/engine/threads.py and its measurements."""
+    cpu_threads: str = "prefill"
+    """CPU engines' compute threads: "prefill" (prefill engines bind a thread to each CPU, decode
+    engines' threads unbound: the OS moves them to whichever CPU is free), "off" (every engine
+    unbound: the OS shares this machine's CPUs among them), "split" (each prefill and decode
+    process started with the cluster gets its own equal share of the CPUs, its threads bound
+    there, when there are at least as many CPUs as those processes; otherwise, and for
+    processes scaled out later, off), or "auto" (every engine binds to all of them). See
+    services/engine/threads.py and its measurements."""
     decode_nice: int = 10
     """Priority (nice, 0-19) of CPU decode engines' compute threads: on CPUs shared with prefill
     they yield to it, whose steps set time to first token, while a decode step has slack in its
@@ -110,11 +112,11 @@ class UpConfig:
 
     def __post_init__(self) -> None:
         check(self.encoders is None or self.encoders >= 0, "encoders", "must be >= 0 (none: auto)")
-        if self.cpu_threads != "split":
+        if self.cpu_threads not in ("split", "prefill"):
             try:
                 parse_cpus(self.cpu_threads)
             except InvalidRequestError as exc:
-                check(False, "cpu_threads", f"{exc} (or split)")
+                check(False, "cpu_threads", f"{exc} (or split, or prefill)")
         check(0 <= self.decode_nice <= 19, "decode_nice", "must be in 0..19")
         check(self.prefills >= 1, "prefills", "needs at least one prefill instance")
         check(self.decodes >= 1, "decodes", "needs at least one decode instance")

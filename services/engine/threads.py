@@ -29,6 +29,11 @@ load of benchmarks/serving.py (epd up, 1 prefill + 1 decode, 8 concurrent chats)
 cores unbound 39.5 tok/s and 5.5 s; sharing with the decode engine's threads at nice 10 (epd up's
 default, ``--decode-nice``) 43.6-47.4 tok/s and 3.6-4.4 s, inter-token latency unchanged
 (~150 ms): when both compete, prefill (whose steps set time to first token) goes first.
+Later, on the AMD Zen 4 under aiperf (whose own process keeps a core busy), with the kernels
+handing out work as threads come free and the wait policy below: prefill bound and decode
+unbound (``epd up``'s default now, ``--cpu-threads prefill``) 56.4 tok/s, p99 5.54 s, inter-token
+latency 96 ms; all unbound 46.3 tok/s, 7.07 s, 118 ms; all bound 33.9 tok/s, 5.17 s, 193 ms
+(a bound decode thread on a busy core holds every short region of a decode step).
 
 While they wait (at the end of a parallel region, for the next), libgomp's threads spin by
 default (GOMP_SPINCOUNT 300,000) before they sleep. On cores shared with other work that spinning
@@ -39,7 +44,8 @@ with ``OMP_WAIT_POLICY=passive`` (sleeping at once) and 4.76 s on one thread; al
 ``epd up`` with the other engine, so the prefill and decode servers set passive where the
 environment has no policy (:func:`sleep_when_idle`). Under benchmarks/serving.py's load (aiperf's
 own process keeps a core busy), together with the kernels handing out work as threads come free:
-55.2 against 48.0-48.8 tok/s, inter-token latency 99 against 116-119 ms (one run against two).
+55.2 against 48.0-48.8 tok/s, inter-token latency 99 against 116-119 ms (one run against two,
+that one with the policy set for aiperf's processes too).
 Offline, on cores of its own, a thread that is woken rather than spinning costs each of a decode
 step's many short regions: the offline benchmark (bound, alternated) ran 39.0, 41.0 and 39.1 s
 passive against 37.2, 38.6 and 38.1 s spinning, so LLM leaves libgomp's default.

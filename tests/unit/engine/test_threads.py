@@ -102,8 +102,13 @@ def test_epd_up_splits_the_cpus_between_its_engines_when_asked(monkeypatch, cpus
     assert Cluster(UpConfig(device="cuda", prefills=prefills, decodes=decodes, cpu_threads="split")
                    )._cpu_threads("prefill", 0) == "off"
     assert Cluster(UpConfig(device="cpu", cpu_threads="auto"))._cpu_threads("prefill", 0) == "auto"
-    # The default shares the CPUs unbound (measured faster here, decode niced; see threads.py).
-    assert Cluster(UpConfig(device="cpu", prefills=prefills, decodes=decodes))._cpu_threads("prefill", 0) == "off"
+    # The default binds prefills to every CPU and leaves decodes unbound, later ones too
+    # (measured faster here, decode niced; see threads.py); "off" leaves every engine unbound.
+    default = Cluster(UpConfig(device="cpu", prefills=prefills, decodes=decodes))
+    assert [default._cpu_threads(role, i) for role, i in (("prefill", 0), ("prefill", prefills), ("decode", 0),
+                                                          ("decode", decodes))] == ["auto", "auto", "off", "off"]
+    assert Cluster(UpConfig(device="cpu", cpu_threads="off"))._cpu_threads("prefill", 0) == "off"
+    assert Cluster(UpConfig(device="cuda"))._cpu_threads("prefill", 0) == "off"
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
