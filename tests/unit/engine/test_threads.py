@@ -116,7 +116,7 @@ def test_engine_servers_compute_threads_sleep_when_idle_unless_told_otherwise(ro
     """libgomp's own record (OMP_DISPLAY_ENV): the server set OMP_WAIT_POLICY before torch loaded
     it, so an idle thread does not spin (GOMP_SPINCOUNT 0); a policy in the environment wins."""
     def libgomp_spincount(**env) -> str:
-        environ = {k: v for k, v in os.environ.items() if k != threads.WAIT_POLICY}
+        environ = {k: v for k, v in os.environ.items() if k not in (threads.WAIT_POLICY, "GOMP_SPINCOUNT")}
         done = subprocess.run([sys.executable, "-m", f"services.{role}", "--help"], capture_output=True,
                               text=True, timeout=120, env={**environ, "OMP_DISPLAY_ENV": "verbose", **env})
         assert done.returncode == 0, done.stderr[-2000:]
