@@ -65,10 +65,20 @@ class AsyncEngine:
             threading.Thread(target=self.engine.grammar_compiler.warm_up, name="grammar-warm-up", daemon=True).start()
 
     async def stop(self) -> None:
+        """Stop the engine thread; what was queued behind the stop still runs, here (the last
+        step can hand back a hand-off whose reader had left: its release comes after the stop).
+        A dead engine runs nothing more."""
         if self._thread is not None:
             self._commands.put(None)
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+            while self.error is None:
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    return
+                if command is not None:
+                    command()
 
     # ----- calls into the engine -----------------------------------------------------------
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -160,7 +170,8 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._fail_streams, exc)
 
     def _queued_commands(self) -> list[Callable[[], None] | None]:
-        """Every queued command; waits a little for one when the engine is idle, or when its
+        """Every queued command up to the stop, if one is queued (what comes after it is
+        :meth:`stop`'s to run); waits a little for one when the engine is idle, or when its
         last step could schedule nothing (its requests wait for blocks another engine holds)."""
         commands = []
         if not self.engine.has_unfinished_requests() or self.engine.last_step_num_tokens == 0:
@@ -168,11 +179,12 @@ class AsyncEngine:
                 commands.append(self._commands.get(timeout=_IDLE_WAIT_S))
             except queue.Empty:
                 return commands
-        while True:
+        while not commands or commands[-1] is not None:
             try:
                 commands.append(self._commands.get_nowait())
             except queue.Empty:
-                return commands
+                break
+        return commands
 
     def _step(self) -> None:
         start = time.perf_counter()

@@ -54,7 +54,8 @@ async def disaggregated(model: str, prompt: list[int], damage=None, transport: s
             assert len(prefill.leases) == 0
         assert len(prefill.leases) == 0
         for worker in (prefill, decode):
-            stats = worker.instance.engine.stats
+            engine = worker.instance.engine
+            stats = await engine.call(engine.engine.stats)  # behind the releases queued so far
             assert stats.num_free_blocks == stats.num_total_blocks
             if worker.instance.staging is not None:  # every staging slot back too
                 assert worker.instance.staging.slots.num_free == worker.instance.staging.slots.num_slots

@@ -114,3 +114,31 @@ def test_a_caller_that_leaves_while_its_add_is_queued_leaves_nothing_behind(llm)
     assert asyncio.run(main()) == 0
     stats = llm.engine.stats()  # (the engine thread has stopped)
     assert (stats.num_running, stats.num_waiting, stats.num_held) == (0, 0, 0)
+
+
+def test_a_hand_off_detached_as_the_engine_stops_is_still_released(llm, monkeypatch):
+    """The last step can detach a request whose reader has left: its release is queued behind
+    the stop, and must still run (or the hand-off pins its blocks for good)."""
+    import threading
+
+    detaching = threading.Event()
+    detach = llm.engine.detach
+
+    def slow_detach(request_id):
+        detaching.wait()  # (until the stop is queued)
+        return detach(request_id)
+
+    monkeypatch.setattr(llm.engine, "detach", slow_detach)
+
+    async def main():
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        stream = await engine.add(random_prompts(1, [40])[0], GREEDY, "left", detach_after_first_token=True)
+        await stream.aclose()  # the reader leaves while the step that detaches it runs
+        stopping = asyncio.create_task(engine.stop())
+        await asyncio.sleep(0.05)
+        detaching.set()
+        await stopping
+
+    asyncio.run(main())
+    assert llm.engine._num_handoff_blocks == 0 and not llm.engine._has_lent_blocks()

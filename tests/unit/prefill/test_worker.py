@@ -38,8 +38,9 @@ def test_a_lease_is_named_by_its_request_and_a_release_before_it_exists_keeps_no
             assert (await released).kv is None  # prefilled, but its KV not kept: decode would recompute
             await asyncio.gather(cancelled, return_exceptions=True)
             assert cancelled.cancelled() and len(worker.leases) == 0
-            for _ in range(100):  # the releases run on the engine thread
-                stats = worker.instance.engine.stats
+            engine = worker.instance.engine
+            for _ in range(100):  # the releases run on the engine thread; read its stats there
+                stats = await engine.call(engine.engine.stats)  # (the snapshot can lag a step)
                 if stats.num_free_blocks == stats.num_total_blocks:
                     break
                 await asyncio.sleep(0.01)
