@@ -4,7 +4,8 @@
 stop, SmolLM2-135M-Instruct (fp32 on the CPU; every engine reads the same weights). Columns, all
 producing the same number of tokens:
 
-    ours          continuous batching with chunked prefill (one LLM.generate call)
+    ours          continuous batching with chunked prefill (one LLM.generate call), in a process
+                  of its own like every peer and each of our other columns (benchmarks/peers/epd.py)
     batch_invariant  the same with --batch-invariant: what bit-identical logits in any batch
                   cost (``batch_invariant_vs_ours``, its tok/s over ours; its greedy tokens are
                   compared with ours and counted, not required equal: other summation orders)
@@ -60,7 +61,6 @@ import signal
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -68,7 +68,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.peers import PeerUnavailable, cpu_info  # noqa: E402
-from services.engine import LLM, SamplingParams  # noqa: E402
+from benchmarks.peers.epd import Epd  # noqa: E402
 
 PAD_ID = 2
 HF_COLUMNS = ("hf_padded", "hf_bucketed")
@@ -101,34 +101,9 @@ def padded_fraction(prompts: list[list[int]], batches: list[list[int]]) -> float
     return 1 - sum(map(len, prompts)) / computed
 
 
-ENGINE_THREAD = ThreadPoolExecutor(1, thread_name_prefix="engine")
-"""Our engines step here, as a server's engine thread does: their compute threads are bound to
-the CPUs (cpu_threads="auto", services/engine/threads.py) while the main thread, which starts
-the peers' processes, stays unbound, so they inherit every CPU."""
 BOUND = {"cpu_threads": "auto"}
-
-
-def run_ours(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
-    def run() -> tuple[float, list[list[int]]]:
-        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        return time.perf_counter() - start, [o.token_ids for o in outs]
-
-    return ENGINE_THREAD.submit(run).result()
-
-
-class Ours:
-    """Our engine behind the peers' interface (run, close)."""
-
-    def __init__(self, **engine_args) -> None:
-        self.llm = LLM(None, **engine_args)
-
-    def run(self, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
-        return run_ours(self.llm, prompts, output_len)
-
-    def close(self) -> None:
-        pass
+"""Our engines bind their compute threads to the CPUs (services/engine/threads.py), each in a
+process of its own (benchmarks/peers/epd.py), as each peer runs in its own."""
 
 
 def start_extra_columns(args, prompts: list[list[int]],
@@ -144,8 +119,8 @@ def start_extra_columns(args, prompts: list[list[int]],
     slot_tokens = -(-(max(map(len, prompts)) + args.output_len) // 256) * 256
     # 1 GiB of bf16 KV holds as many tokens as ours' 2 GiB of fp32 (and vLLM's bf16 gets 1 GiB too);
     # every engine loaded at once has to fit in this machine's memory.
-    starters = {"ours_bf16": lambda: Ours(max_num_batched_tokens=batched, kv_cache_gib=1.0,
-                                          enable_prefix_caching=False, dtype="bfloat16", **BOUND)}
+    starters = {"ours_bf16": lambda: Epd("epd-bf16.log", max_num_batched_tokens=batched, kv_cache_gib=1.0,
+                                         enable_prefix_caching=False, dtype="bfloat16", **BOUND)}
     if args.peers:
         model_dir = resolve_model_dir(None)[0]
         starters |= {
@@ -278,53 +253,28 @@ def main() -> None:
     cpu = cpu_info() | {"torch_threads": torch.get_num_threads()}
     args.left_out = left_out(parser, args, cpu)
 
-    import transformers
-
-    from services.engine.models.loader import resolve_model_dir
-
     print(f"CPU: {cpu['model']}, avx512f {'yes' if cpu['avx512f'] else 'no'}, avx2 "
           f"{'yes' if cpu['avx2'] else 'no'}, native bf16 {'yes' if cpu['native_bf16'] else 'no'}, "
           f"{cpu['num_cpus']} CPUs ({cpu['num_usable_cpus']} usable), torch threads {cpu['torch_threads']}",
           file=sys.stderr)
     engine_args = {"max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_gib": 2.0,
                    "enable_prefix_caching": False, **BOUND}
-    llm = LLM(None, **engine_args)
-    vocab = llm.engine.model_config.vocab_size
-    prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, vocab)
-    layouts = {"hf_padded": [list(range(len(prompts)))], "hf_bucketed": buckets(prompts, args.bucket_size)}
-    fractions = {name: padded_fraction(prompts, batches) for name, batches in layouts.items()}
-    num_tokens = args.num_prompts * args.output_len
-    print(f"{args.num_prompts} prompts, {sum(map(len, prompts))} prompt tokens "
-          f"({min(map(len, prompts))}-{max(map(len, prompts))}), {args.output_len} output tokens each; "
-          f"hf_padded: 1 batch, {fractions['hf_padded']:.1%} of its prefill tokens are padding; hf_bucketed: "
-          f"{len(layouts['hf_bucketed'])} batches of <= {args.bucket_size}, {fractions['hf_bucketed']:.1%} padding",
-          file=sys.stderr)
-
-    # First-call costs out of the timings, a full-size step's included (its activations are
-    # allocated and faulted in once): short prompts, and three of the longest length.
-    warm = make_prompts(4, 20, 60, vocab, seed=1) + make_prompts(3, args.max_len, args.max_len, vocab, seed=2)
-    runs = {"ours": lambda: run_ours(llm, prompts, args.output_len)}
-    if "batch_invariant" not in args.left_out:
-        invariant = LLM(None, batch_invariant=True, **engine_args)
-        runs["batch_invariant"] = lambda: run_ours(invariant, prompts, args.output_len)
-    if any(name not in args.left_out for name in HF_COLUMNS):
-        hf = transformers.LlamaForCausalLM.from_pretrained(resolve_model_dir(None)[0],
-                                                           torch_dtype=torch.float32).eval()
-        run_hf(hf, warm, 4, [list(range(len(warm)))])
-        runs |= {name: (lambda batches=layouts[name]: run_hf(hf, prompts, args.output_len, batches))
-                 for name in HF_COLUMNS if name not in args.left_out}
-    run_ours(llm, warm, 4)
-    if "batch_invariant" in runs:
-        run_ours(invariant, warm, 4)
-    extras, absent, versions = start_extra_columns(args, prompts, warm)
-    absent = {name: reason for name, reason in args.left_out.items() if name in COLUMNS} | absent
+    columns = {"ours": Epd("epd.log", **engine_args)}
+    """Name -> a column's process (run, close): every one is stopped however this ends."""
     try:
-        runs |= {name: (lambda e=engine: e.run(prompts, args.output_len)) for name, engine in extras.items()}
-        if args.repeats is None:
-            args.repeats = 3 if any(name in PEER_COLUMNS for name in extras) else 2
-        seconds, num_identical, mismatches = run_repeats(runs, args.repeats, prompts, num_tokens, absent)
+        prompts = make_prompts(args.num_prompts, args.min_len, args.max_len, columns["ours"].vocab_size)
+        layouts = {"hf_padded": [list(range(len(prompts)))], "hf_bucketed": buckets(prompts, args.bucket_size)}
+        fractions = {name: padded_fraction(prompts, batches) for name, batches in layouts.items()}
+        num_tokens = args.num_prompts * args.output_len
+        print(f"{args.num_prompts} prompts, {sum(map(len, prompts))} prompt tokens "
+              f"({min(map(len, prompts))}-{max(map(len, prompts))}), {args.output_len} output tokens each; "
+              f"hf_padded: 1 batch, {fractions['hf_padded']:.1%} of its prefill tokens are padding; hf_bucketed: "
+              f"{len(layouts['hf_bucketed'])} batches of <= {args.bucket_size}, {fractions['hf_bucketed']:.1%} "
+              f"padding", file=sys.stderr)
+        seconds, num_identical, mismatches, absent, versions = run_columns(args, columns, engine_args, prompts,
+                                                                           layouts)
     finally:
-        for engine in extras.values():
+        for engine in columns.values():
             engine.close()
 
     median = {name: statistics.median(times) for name, times in seconds.items()}
@@ -348,6 +298,40 @@ def main() -> None:
     if mismatches:
         sys.exit("FAIL: transformers' greedy outputs differ from ours, so the throughput figures compare "
                  "different work:\n  " + "\n  ".join(mismatches))
+
+
+def run_columns(args, columns: dict, engine_args: dict, prompts: list[list[int]],
+                layouts: dict[str, list[list[int]]]) -> tuple:
+    """Starts the other columns (ours' processes into ``columns``, the peers' too), warms each up
+    and runs the repeats: run_repeats' seconds, identical counts and mismatches, then the absent
+    columns and the peers' versions."""
+    import transformers
+
+    from services.engine.models.loader import resolve_model_dir
+
+    # First-call costs out of the timings, a full-size step's included (its activations are
+    # allocated and faulted in once): short prompts, and three of the longest length.
+    vocab = columns["ours"].vocab_size
+    warm = make_prompts(4, 20, 60, vocab, seed=1) + make_prompts(3, args.max_len, args.max_len, vocab, seed=2)
+    if "batch_invariant" not in args.left_out:
+        columns["batch_invariant"] = Epd("epd-batch-invariant.log", batch_invariant=True, **engine_args)
+    for engine in columns.values():
+        engine.run(warm, 4)
+    runs = {name: (lambda e=engine: e.run(prompts, args.output_len)) for name, engine in columns.items()}
+    if any(name not in args.left_out for name in HF_COLUMNS):
+        hf = transformers.LlamaForCausalLM.from_pretrained(resolve_model_dir(None)[0],
+                                                           torch_dtype=torch.float32).eval()
+        run_hf(hf, warm, 4, [list(range(len(warm)))])
+        runs |= {name: (lambda batches=layouts[name]: run_hf(hf, prompts, args.output_len, batches))
+                 for name in HF_COLUMNS if name not in args.left_out}
+    extras, absent, versions = start_extra_columns(args, prompts, warm)
+    columns |= extras
+    absent = {name: reason for name, reason in args.left_out.items() if name in COLUMNS} | absent
+    runs |= {name: (lambda e=engine: e.run(prompts, args.output_len)) for name, engine in extras.items()}
+    if args.repeats is None:
+        args.repeats = 3 if any(name in PEER_COLUMNS for name in extras) else 2
+    num_tokens = args.num_prompts * args.output_len
+    return (*run_repeats(runs, args.repeats, prompts, num_tokens, absent), absent, versions)
 
 
 def run_repeats(runs: dict, repeats: int, prompts: list[list[int]], num_tokens: int,

@@ -1,4 +1,5 @@
-"""Other engines run beside ours by benchmarks/engine_throughput.py, each in its own process.
+"""Other engines run beside ours by benchmarks/engine_throughput.py, each in its own process
+(and ours in its own too: epd.py).
 
 ``make bench-peers`` installs them under ``.peers/`` in the repository root:
 
@@ -11,6 +12,9 @@
     vllm_offline.py  that driver (imports vLLM only, never epd)
     llama_cpp.py     LlamaCpp: starts llama-server once, one batch of concurrent /completion
                      requests per call
+    epd.py           Epd: our LLM in a process of its own, the same way as vLLM's (its driver is
+                     the module itself, under this venv's python)
+    driver.py        LineDriver: a column's process that answers JSON lines (vLLM's and ours)
 
 Each peer is built by its constructor, which raises PeerUnavailable with the reason when the peer
 is not installed or does not come up: the benchmark reports that column as absent, never fails.

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from benchmarks.peers import cpu_info, cpu_ranges, start_process, stop_group
 from benchmarks.serving import session_pids as group_members  # a peer leads its own session and group
 
@@ -63,3 +65,26 @@ def test_cpu_facts_and_ranges():
     assert cpu["num_usable_cpus"] == len(os.sched_getaffinity(0)) >= 1
     assert isinstance(cpu["native_bf16"], bool) and isinstance(cpu["avx2"], bool)
     assert cpu_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+def test_our_column_runs_in_its_own_process_and_answers_what_the_engine_computes(tiny_llama_dir):
+    """Ours is timed in a process of its own, as each peer is: its outputs are LLM.generate's, a
+    bad engine argument makes it unavailable with the reason, and close leaves no process."""
+    from benchmarks.peers import PeerUnavailable
+    from benchmarks.peers.epd import Epd
+    from services.engine import LLM, SamplingParams
+    from tests.factories import random_prompts
+
+    prompts = random_prompts(3, [5, 30, 70], seed=4)
+    expected = LLM(str(tiny_llama_dir), num_kv_blocks=64).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    column = Epd("test-epd.log", str(tiny_llama_dir), num_kv_blocks=64)
+    try:
+        assert column.vocab_size > 0
+        seconds, token_ids = column.run(prompts, 6)
+        assert seconds > 0 and token_ids == [list(o.token_ids) for o in expected]
+    finally:
+        column.close()
+    assert column.driver.process.returncode is not None and group_members(column.driver.process.pid) == []
+    with pytest.raises(PeerUnavailable, match="num_kv_blocks"):
+        Epd("test-epd.log", str(tiny_llama_dir), num_kv_blocks=-1)
