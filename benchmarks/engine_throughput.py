@@ -338,7 +338,7 @@ def run_repeats(runs: dict, repeats: int, prompts: list[list[int]], num_tokens: 
                 absent: dict[str, str]) -> tuple[dict[str, list[float]], dict[str, int], list[str]]:
     """Every column ``repeats`` times, the order reversed on odd repeats: each column's seconds,
     how many of its outputs equal ours, and the transformers columns' differences. A peer that
-    fails mid-run is dropped (into ``absent``) with everything it measured."""
+    fails mid-run is dropped (into ``absent``) with everything it measured; ours failing ends the run."""
     names = list(runs)
     seconds: dict[str, list[float]] = {name: [] for name in names}
     num_identical = {name: 0 for name in names[1:]}
@@ -349,6 +349,8 @@ def run_repeats(runs: dict, repeats: int, prompts: list[list[int]], num_tokens: 
             try:
                 elapsed, outputs[name] = runs[name]()
             except PeerUnavailable as exc:
+                if name == "ours":  # every figure is against it: the run cannot go on
+                    raise
                 absent[name] = f"failed in repeat {repeat}: {exc}"
                 names.remove(name)
                 del seconds[name], num_identical[name]
