@@ -31,6 +31,7 @@ import torch
 
 from services.common.config import check
 from services.engine.attention import AttentionMetadata, BlockTable, build_metadata
+from services.engine import host_memory
 from services.engine.grammar import GrammarMatchers
 from services.engine.kernels import select as kernel_select
 from services.engine.models.config import ModelConfig
@@ -167,8 +168,10 @@ class ModelRunner:
             self.kv_caches = [raw[offset:offset + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
                               for offset, shape in zip(self.pool_offsets, shapes)]
         else:
-            # Zero-filled, so every page of the pool is touched now rather than mid-request.
-            self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+            # Zero-filled, so every page of the pool is touched now rather than mid-request; on
+            # the CPU in huge pages where the kernel gives them (host_memory).
+            self.kv_caches = [host_memory.zeros(shape, dtype) if device.type == "cpu"
+                              else torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         self.kv_cache = self.kv_caches[0]
         self._group_num_layers = [len(layers) for layers in groups]
         self._gather_buffer = self.kv_cache.new_empty((2, 0) + tuple(self.kv_cache.shape[3:]))

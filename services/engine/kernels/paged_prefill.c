@@ -32,7 +32,7 @@
 #include "vector.h"
 
 #define LANES (2 * W)     /* queries per tile: two vectors */
-#define CHUNK 16          /* keys per softmax update */
+#define CHUNK 32          /* keys per softmax update (16: twice the rescaling of O, ~4% slower) */
 #define MASKED -1e30f     /* a score that exp() takes to 0 (no inf: built with -ffast-math) */
 /* Keys (SCORES) and value dims (VALUES) per register tile: 2 x that many accumulators, the two
  * lane vectors and a broadcast fit 32 AVX-512 registers at 8 and 16 AVX2 ones at 4 (at 8 AVX2

@@ -5,6 +5,7 @@
 #include <stdint.h>
 
 #ifdef __AVX512F__
+#include <immintrin.h>
 #define W 16
 #else
 #define W 8
@@ -19,8 +20,16 @@ static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~m
 
 static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
 
-/* e^x for x <= 0 (exp(x) = 2^n e^r, |r| <= ln2 / 2; Cephes' polynomial for e^r), 0 below -87. */
+/* e^x for x <= 0 (exp(x) = 2^n e^r, |r| <= ln2 / 2; Cephes' polynomial for e^r), 0 below -87
+ * (AVX-512: subnormal down to about -103, then 0). AVX-512 rounds and scales in one instruction
+ * each (vrndscaleps, vscalefps) where the generic path takes eight: the same bits for x >= -87
+ * but at exact ties of x log2(e) + 1/2, and the prefill kernel ~5% faster on an AMD Zen 4. */
 static inline vf vexp(vf x) {
+#ifdef __AVX512F__
+    x = vmax(x, splat(-110.0f));  /* 2^-159 and below: 0 in float */
+    const vf fn = (vf)_mm512_roundscale_ps((__m512)(x * 1.44269504088896341f),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
     const vf lo = splat(-87.0f);
     vi under = x < lo;
     x = vmax(x, lo);
@@ -28,6 +37,7 @@ static inline vf vexp(vf x) {
     vi n = __builtin_convertvector(y, vi);
     n -= (vi)(__builtin_convertvector(n, vf) > y) & 1;  /* truncation -> floor */
     vf fn = __builtin_convertvector(n, vf);
+#endif
     vf r = x - fn * 0.693359375f;
     r = r + fn * 2.12194440e-4f;
     vf p = splat(1.9875691500e-4f);
@@ -37,8 +47,12 @@ static inline vf vexp(vf x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
+#ifdef __AVX512F__
+    return (vf)_mm512_scalef_ps((__m512)p, (__m512)fn);
+#else
     vf scale = (vf)((n + 127) << 23);
     return vselect(under, splat(0.f), p * scale);
+#endif
 }
 
 /* x * sigmoid(x), one exp of -|x| (never overflows): x / (1 + e^-x), or for x < 0 the same
