@@ -31,10 +31,13 @@
 #include "element.h"
 #include "vector.h"
 
-#define LANES (2 * W)     /* queries per tile: two vectors */
+/* Vectors of queries per tile: each key or value element broadcast feeds NV FMAs. Three with
+ * AVX-512 (two: SmolLM2's 32-sequence prefill ~5% slower on an AMD Zen 4, head_dim 128 too). */
+#define NV (W == 16 ? 3 : 2)
+#define LANES (NV * W)    /* queries per tile */
 #define CHUNK 32          /* keys per softmax update (16: twice the rescaling of O, ~4% slower) */
 #define MASKED -1e30f     /* a score that exp() takes to 0 (no inf: built with -ffast-math) */
-/* Keys (SCORES) and value dims (VALUES) per register tile: 2 x that many accumulators, the two
+/* Keys (SCORES) and value dims (VALUES) per register tile: NV x that many accumulators, the NV
  * lane vectors and a broadcast fit 32 AVX-512 registers at 8 and 16 AVX2 ones at 4 (at 8 AVX2
  * spilled: 54 against 95 GFLOP/s at 947 tokens on 2 Zen 3 cores). */
 #define TILE_KEYS (W == 16 ? 8 : 4)
@@ -46,24 +49,23 @@ static int by_cost_desc(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
-/* Keeps two vectors in registers. Left alone, GCC folds their loads into every FMA that uses
- * them, and the loads, not the FMAs, bound the loops (load ports: 2 or 3 a cycle, FMA: 2). */
-#define IN_REGISTERS(a, b) __asm__("" : "+x"(a), "+x"(b))
+/* Keeps a vector in a register. Left alone, GCC folds its loads into every FMA that uses it,
+ * and the loads, not the FMAs, bound the loops (load ports: 2 or 3 a cycle, FMA: 2). */
+#define IN_REGISTER(a) __asm__("" : "+x"(a))
 
-/* S[t] += Q^T . K[t] for TB keys at once: qt [D][2] lanes, krow[t] the keys' rows. */
+/* S[t] += Q^T . K[t] for TB keys at once: qt [D][NV] lanes, krow[t] the keys' rows. */
 #define SCORES(TB)                                                                            \
     do {                                                                                      \
-        vf a[TB][2] = {{{0}}};                                                                \
+        vf a[TB][NV] = {{{0}}};                                                               \
         for (int64_t d = 0; d < D; d++) {                                                     \
-            vf x0 = qt[d][0], x1 = qt[d][1];                                                  \
-            IN_REGISTERS(x0, x1);                                                             \
+            vf x[NV];                                                                         \
+            for (int v = 0; v < NV; v++) { x[v] = qt[d][v]; IN_REGISTER(x[v]); }              \
             for (int u = 0; u < TB; u++) {                                                    \
-                const float k = ld(krow[t + u][d]);                                               \
-                a[u][0] += x0 * k;                                                            \
-                a[u][1] += x1 * k;                                                            \
+                const float k = ld(krow[t + u][d]);                                           \
+                for (int v = 0; v < NV; v++) a[u][v] += x[v] * k;                             \
             }                                                                                 \
         }                                                                                     \
-        for (int u = 0; u < TB; u++) { s[t + u][0] = a[u][0]; s[t + u][1] = a[u][1]; }         \
+        for (int u = 0; u < TB; u++) for (int v = 0; v < NV; v++) s[t + u][v] = a[u][v];      \
     } while (0)
 
 /* O^T[d] = O^T[d] * corr + sum_t P[t] V[t][d] for DB dims at once, in registers over the chunk.
@@ -72,17 +74,15 @@ static int by_cost_desc(const void *a, const void *b) {
  * SDPA (largest logit error 2.41x transformers' on an AMD Zen 4, 0.72x with this). */
 #define VALUES(DB)                                                                            \
     do {                                                                                      \
-        vf a[DB][2] = {{{0}}};                                                                \
+        vf a[DB][NV] = {{{0}}};                                                               \
         for (int64_t t = 0; t < nt; t++) {                                                    \
-            vf p0 = p[t][0], p1 = p[t][1];                                                    \
-            IN_REGISTERS(p0, p1);                                                             \
-            const elem *vt = krow[t] + half + d;                                             \
-            for (int i = 0; i < DB; i++) { const float x = ld(vt[i]); a[i][0] += p0 * x; a[i][1] += p1 * x; }    \
+            vf pp[NV];                                                                        \
+            for (int v = 0; v < NV; v++) { pp[v] = p[t][v]; IN_REGISTER(pp[v]); }             \
+            const elem *vt = krow[t] + half + d;                                              \
+            for (int i = 0; i < DB; i++) { const float x = ld(vt[i]); for (int v = 0; v < NV; v++) a[i][v] += pp[v] * x; } \
         }                                                                                     \
-        for (int i = 0; i < DB; i++) {                                                        \
-            ot[d + i][0] = ot[d + i][0] * corr[0] + a[i][0];                                  \
-            ot[d + i][1] = ot[d + i][1] * corr[1] + a[i][1];                                  \
-        }                                                                                     \
+        for (int i = 0; i < DB; i++)                                                          \
+            for (int v = 0; v < NV; v++) ot[d + i][v] = ot[d + i][v] * corr[v] + a[i][v];     \
     } while (0)
 
 static inline __attribute__((always_inline)) void prefill_tile(
@@ -94,7 +94,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
     const int64_t tok_stride = num_kv_heads * D, half = B * tok_stride;
     const int64_t block_stride = num_layers * 2 * half, layer_offset = layer * 2 * half;
     /* Lane j of vector v is query v * W + j; qt and ot hold Q and O transposed. */
-    vf qt[D][2], ot[D][2], s[CHUNK][2], p[CHUNK][2], m[2], l[2], posv[2], corr[2];
+    vf qt[D][NV], ot[D][NV], s[CHUNK][NV], p[CHUNK][NV], m[NV], l[NV], posv[NV], corr[NV];
     int64_t row_of[LANES], head_of[LANES], min_pos = INT64_MAX, max_pos = 0;
     for (int64_t j = 0; j < LANES; j++) {
         /* Lanes past the span's end repeat its last query (computed, never written). */
@@ -108,8 +108,8 @@ static inline __attribute__((always_inline)) void prefill_tile(
         const elem *qj = q + ((first_row + row_of[j]) * num_heads + head_of[j]) * D;
         for (int64_t d = 0; d < D; d++) qt[d][j / W][j % W] = ld(qj[d]) * scale;
     }
-    for (int64_t d = 0; d < D; d++) ot[d][0] = ot[d][1] = splat(0.f);
-    for (int v = 0; v < 2; v++) { m[v] = splat(MASKED); l[v] = splat(0.f); }
+    for (int64_t d = 0; d < D; d++) for (int v = 0; v < NV; v++) ot[d][v] = splat(0.f);
+    for (int v = 0; v < NV; v++) { m[v] = splat(MASKED); l[v] = splat(0.f); }
     const int64_t ctx = max_pos + 1;
     /* A key before lo lies outside every lane's window; one before hi outside some lane's. lo
      * starts a CHUNK that starts at a multiple of CHUNK, as without a window: a query's keys then
@@ -129,13 +129,13 @@ static inline __attribute__((always_inline)) void prefill_tile(
         for (; t < nt; t++) SCORES(1);
         if (c0 + nt - 1 > min_pos)  /* some key here lies past some query */
             for (t = 0; t < nt; t++)
-                for (int v = 0; v < 2; v++)
+                for (int v = 0; v < NV; v++)
                     s[t][v] = vselect(splat((float)(c0 + t)) > posv[v], splat(MASKED), s[t][v]);
         if (c0 < hi)  /* some key here lies before some query's window */
             for (t = 0; t < nt; t++)
-                for (int v = 0; v < 2; v++)
+                for (int v = 0; v < NV; v++)
                     s[t][v] = vselect(splat((float)(c0 + t + window)) <= posv[v], splat(MASKED), s[t][v]);
-        for (int v = 0; v < 2; v++) {
+        for (int v = 0; v < NV; v++) {
             vf mx = m[v], sum = {0};
             for (t = 0; t < nt; t++) mx = vmax(mx, s[t][v]);
             for (t = 0; t < nt; t++) { p[t][v] = vexp(s[t][v] - mx); sum += p[t][v]; }
