@@ -31,8 +31,8 @@ import torch
 
 from services.common.config import check
 from services.engine.attention import AttentionMetadata, BlockTable, build_metadata
-from services.engine import host_memory
 from services.engine.grammar import GrammarMatchers
+from services.engine.host_memory import huge_page_zeros
 from services.engine.kernels import select as kernel_select
 from services.engine.models.config import ModelConfig
 from services.engine.models.llama import LlamaForCausalLM, rope_inv_freq
@@ -169,8 +169,8 @@ class ModelRunner:
                               for offset, shape in zip(self.pool_offsets, shapes)]
         else:
             # Zero-filled, so every page of the pool is touched now rather than mid-request; on
-            # the CPU in huge pages where the kernel gives them (host_memory).
-            self.kv_caches = [host_memory.zeros(shape, dtype) if device.type == "cpu"
+            # the CPU in huge pages where the kernel gives them (host_memory.py).
+            self.kv_caches = [huge_page_zeros(shape, dtype) if device.type == "cpu"
                               else torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         self.kv_cache = self.kv_caches[0]
         self._group_num_layers = [len(layers) for layers in groups]

@@ -32,7 +32,7 @@ needs_advice = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not Path
 
 @needs_advice
 def test_a_large_array_is_zeroed_and_advised_to_huge_pages():
-    pool = host_memory.zeros((4, 3, 1 << 18), torch.float32)  # 12 MiB
+    pool = host_memory.huge_page_zeros((4, 3, 1 << 18), torch.float32)  # 12 MiB
     assert pool.shape == (4, 3, 1 << 18) and pool.dtype == torch.float32 and pool.is_contiguous()
     assert not pool.any()
     pool[3, 2, -1] = 7.0  # writable, to its last element
@@ -41,7 +41,7 @@ def test_a_large_array_is_zeroed_and_advised_to_huge_pages():
 
 
 def test_a_small_array_is_an_ordinary_tensor():
-    small = host_memory.zeros((16, 16), torch.bfloat16)
+    small = host_memory.huge_page_zeros((16, 16), torch.bfloat16)
     assert small.shape == (16, 16) and small.dtype == torch.bfloat16 and not small.any()
 
 
