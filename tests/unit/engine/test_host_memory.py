@@ -26,8 +26,10 @@ def _vm_flags(address: int) -> list[str]:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-needs_advice = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not Path("/proc/self/smaps").exists(),
-                                  reason="no MADV_HUGEPAGE or /proc/self/smaps here")
+needs_advice = pytest.mark.skipif(
+    not hasattr(mmap, "MADV_HUGEPAGE") or not Path("/proc/self/smaps").exists()
+    or not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+    reason="no MADV_HUGEPAGE, /proc/self/smaps or transparent huge pages in this kernel")
 
 
 @needs_advice
