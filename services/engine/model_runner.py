@@ -175,8 +175,8 @@ class ModelRunner:
         self.kv_cache = self.kv_caches[0]
         self._group_num_layers = [len(layers) for layers in groups]
         self._gather_buffer = self.kv_cache.new_empty((2, 0) + tuple(self.kv_cache.shape[3:]))
-        # Where the CPU's kernels exist (fp32, bf16), attention reads blocks in place, and fp32
-        # decode steps use packed weights (bf16 ones oneDNN's products); on CUDA the Triton
+        # Where the CPU's kernels exist (fp32, bf16), attention reads blocks in place, and decode
+        # steps use packed weights (bf16 ones where the CPU has AVX512_BF16); on CUDA the Triton
         # kernels read blocks in place; else torch runs it all (no C compiler, no triton, or
         # turned off).
         self.attention_backend = kernel_select.attention_backend(device, dtype)
@@ -188,8 +188,11 @@ class ModelRunner:
         self._fresh_in_kernel = self.attention_backend == "cpu" and not exact_prefill
         if self._fresh_in_kernel:
             self.model.fuse_norms(self._kernels)
-        packed_prompts = is_cpu_fp32 and not exact_prefill and kernel_select.packed_prompts()
-        if is_cpu_fp32:
+        # bf16 likewise where its packed product was built (AVX512_BF16), else oneDNN's products.
+        packs = is_cpu_fp32 or (self.attention_backend == "cpu" and dtype == torch.bfloat16
+                                and self._kernels.packs_bf16)
+        packed_prompts = packs and not exact_prefill and kernel_select.packed_prompts()
+        if packs:
             self.model.pack(self._kernels, every_step=packed_prompts)
         self.prompt_products = "packed" if packed_prompts else "torch"
         check(not batch_invariant or is_cpu_fp32, "batch_invariant",

@@ -51,6 +51,7 @@ SOURCES = tuple((Path(__file__).with_name(name), flags) for name, flags in (
     ("rms_norm.c", ()),
     ("rms_norm.c", BF16),
     ("packed_gemm.c", ()),
+    ("packed_gemm_bf16.c", ()),
     ("threads.c", ()),
 ))
 """Each source with the flags it adds to COMPILE_FLAGS (a source may be built more than once)."""
@@ -79,8 +80,8 @@ class CpuKernels:
     pack_weight: Callable[[torch.Tensor], torch.Tensor]
     """``(weight [N, K]) -> packed``: a linear layer's weight in :attr:`packed_gemm`'s panels."""
     packed_gemm: Callable[..., torch.Tensor]
-    """``(x [M, K], packed, bias | None, N) -> x W^T + bias``: fp32, a row's result independent
-    of the other rows (``packed_gemm.c``)."""
+    """``(x [M, K], packed, bias | None, N) -> x W^T + bias``: in x's dtype, a row's result
+    independent of the other rows (fp32 ``packed_gemm.c``, bf16 ``packed_gemm_bf16.c``)."""
     pack_gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """``(gate [N, K], up [N, K]) -> packed``: SwiGLU's two weights, packed together for
     :attr:`packed_gemm_gated`."""
@@ -90,6 +91,9 @@ class CpuKernels:
     add_rms_norm: Callable[..., torch.Tensor]
     """``(x, residual | None, weight, eps) -> out``: ``x += residual`` in place, then RMSNorm
     of x into a new tensor (``rms_norm.c``)."""
+    packs_bf16: bool
+    """Whether the bf16 product was built (the compiler targets AVX512_BF16): without it the
+    packing and products take fp32 only."""
     bind_threads: Callable[[list[int]], int]
     """``(cpus) -> failures``: the calling thread's OpenMP team, ``len(cpus)`` threads, thread
     i bound to ``cpus[i]`` (see ``threads.c``); how many could not be bound."""
@@ -179,6 +183,19 @@ def _library() -> ctypes.CDLL | None:
     lib.packed_gemm_pack_gated.restype = None
     lib.packed_gemm_gated.argtypes = [ptr, i64, ptr, ptr] + [i64] * 4 + [i32]
     lib.packed_gemm_gated.restype = None
+    lib.packed_gemm_bf16_available.argtypes = []
+    lib.packed_gemm_bf16_available.restype = i32
+    if lib.packed_gemm_bf16_available():
+        lib.packed_gemm_bf16_size.argtypes = [i64, i64]
+        lib.packed_gemm_bf16_size.restype = i64
+        lib.packed_gemm_bf16_pack.argtypes = [ptr, ptr, i64, i64, i32]
+        lib.packed_gemm_bf16_pack.restype = None
+        lib.packed_gemm_bf16.argtypes = [ptr, i64, ptr, ptr, ptr] + [i64] * 4 + [i32]
+        lib.packed_gemm_bf16.restype = None
+        lib.packed_gemm_bf16_pack_gated.argtypes = [ptr, ptr, ptr, i64, i64, i32]
+        lib.packed_gemm_bf16_pack_gated.restype = None
+        lib.packed_gemm_bf16_gated.argtypes = [ptr, i64, ptr, ptr] + [i64] * 4 + [i32]
+        lib.packed_gemm_bf16_gated.restype = None
     lib.bind_threads.argtypes = [ptr, i32]
     lib.bind_threads.restype = i32
     return lib
@@ -206,7 +223,7 @@ def _entry(lib: ctypes.CDLL, kind: str, dtype: torch.dtype, head_dim: int | None
 def kernels() -> CpuKernels | None:
     """The kernels (see ``paged_decode.c``, ``paged_prefill.c``, ``rope_store.c``, ``rms_norm.c``), or None
     where they cannot be built. They take float32 or bfloat16 CPU tensors (one dtype a call;
-    the packed product float32 only), all contiguous, and int64 index tensors (see the C sources
+    the packed product bfloat16 only where ``packs_bf16``), all contiguous, and int64 index tensors (see the C sources
     for shapes).
     """
     lib = _library()
@@ -251,41 +268,54 @@ def kernels() -> CpuKernels | None:
             torch.get_num_threads())
         return q, k
 
+    packs_bf16 = bool(lib.packed_gemm_bf16_available())
+    # The packed product's entry points by element type: (size, pack, product, pack gated, gated).
+    products = {torch.float32: (lib.packed_gemm_size, lib.packed_gemm_pack, lib.packed_gemm,
+                                lib.packed_gemm_pack_gated, lib.packed_gemm_gated)}
+    if packs_bf16:
+        products[torch.bfloat16] = (lib.packed_gemm_bf16_size, lib.packed_gemm_bf16_pack, lib.packed_gemm_bf16,
+                                    lib.packed_gemm_bf16_pack_gated, lib.packed_gemm_bf16_gated)
+
+    def _product(t: torch.Tensor):
+        assert t.dtype in products and t.device.type == "cpu", f"no packed product for {t.dtype} on {t.device}"
+        return products[t.dtype]
+
     def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-        assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.device.type == "cpu"
+        size, pack, *_ = _product(weight)
+        assert weight.is_contiguous()
         num_out, num_in = weight.shape
-        packed = weight.new_empty(lib.packed_gemm_size(num_out, num_in))
-        lib.packed_gemm_pack(weight.data_ptr(), packed.data_ptr(), num_out, num_in, torch.get_num_threads())
+        packed = weight.new_empty(size(num_out, num_in))
+        pack(weight.data_ptr(), packed.data_ptr(), num_out, num_in, torch.get_num_threads())
         return packed
 
     def packed_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, num_out: int) -> torch.Tensor:
         # Rows may lie apart (a column slice of a wider tensor), as long as each is contiguous.
-        assert x.dim() == 2 and x.stride(1) == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
+        size, _, product, *_ = _product(x)
+        assert x.dim() == 2 and x.stride(1) == 1 and packed.dtype == x.dtype
         num_rows, num_in = x.shape
-        assert packed.numel() == lib.packed_gemm_size(num_out, num_in)
-        assert bias is None or (bias.is_contiguous() and bias.numel() == num_out)
+        assert packed.numel() == size(num_out, num_in)
+        assert bias is None or (bias.is_contiguous() and bias.numel() == num_out and bias.dtype == x.dtype)
         y = x.new_empty(num_rows, num_out)
-        lib.packed_gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                        y.data_ptr(), num_out, num_rows, num_out, num_in, torch.get_num_threads())
+        product(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                y.data_ptr(), num_out, num_rows, num_out, num_in, torch.get_num_threads())
         return y
 
     def pack_gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        for w in (gate, up):
-            assert w.dtype == torch.float32 and w.is_contiguous() and w.device.type == "cpu"
-        assert gate.shape == up.shape
+        size, _, _, pack, _ = _product(gate)
+        assert gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape and gate.dtype == up.dtype
         num_out, num_in = gate.shape
-        packed = gate.new_empty(2 * lib.packed_gemm_size(num_out, num_in))
-        lib.packed_gemm_pack_gated(gate.data_ptr(), up.data_ptr(), packed.data_ptr(), num_out, num_in,
-                                   torch.get_num_threads())
+        packed = gate.new_empty(2 * size(num_out, num_in))
+        pack(gate.data_ptr(), up.data_ptr(), packed.data_ptr(), num_out, num_in, torch.get_num_threads())
         return packed
 
     def packed_gemm_gated(x: torch.Tensor, packed: torch.Tensor, num_out: int) -> torch.Tensor:
-        assert x.dim() == 2 and x.stride(1) == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
+        size, *_, product = _product(x)
+        assert x.dim() == 2 and x.stride(1) == 1 and packed.dtype == x.dtype
         num_rows, num_in = x.shape
-        assert packed.numel() == 2 * lib.packed_gemm_size(num_out, num_in)
+        assert packed.numel() == 2 * size(num_out, num_in)
         y = x.new_empty(num_rows, num_out)
-        lib.packed_gemm_gated(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), num_out, num_rows,
-                              num_out, num_in, torch.get_num_threads())
+        product(x.data_ptr(), x.stride(0), packed.data_ptr(), y.data_ptr(), num_out, num_rows, num_out, num_in,
+                torch.get_num_threads())
         return y
 
     def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -304,4 +334,5 @@ def kernels() -> CpuKernels | None:
 
     return CpuKernels(paged_decode=paged_decode, paged_prefill=paged_prefill, rope_store=rope_store,
                       pack_weight=pack_weight, packed_gemm=packed_gemm, pack_gated=pack_gated,
-                      packed_gemm_gated=packed_gemm_gated, add_rms_norm=add_rms_norm, bind_threads=bind_threads)
+                      packed_gemm_gated=packed_gemm_gated, add_rms_norm=add_rms_norm, packs_bf16=packs_bf16,
+                      bind_threads=bind_threads)
