@@ -306,7 +306,8 @@ class ModelRunner:
         positions = torch.cat([torch.arange(s, s + len(toks)) for s, toks, _ in chunks]).to(self.device)
         metas = [build_metadata([(s, len(toks), tables[group]) for s, toks, tables in chunks], self.block_size,
                                 num_layers, self.device, self._kernels, self.batch_invariant,
-                                replay_until if group == 0 else (), self._discard_block, self._fresh_in_kernel)
+                                replay_until if group == 0 else (), self._discard_block, self._fresh_in_kernel,
+                                is_verify_step)
                  for group, num_layers in enumerate(self._group_num_layers)]
         workspace = self._workspace(max(meta.max_gather_blocks for meta in metas))
         for meta in metas:
