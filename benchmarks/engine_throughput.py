@@ -258,7 +258,7 @@ def main() -> None:
           f"{cpu['num_cpus']} CPUs ({cpu['num_usable_cpus']} usable), torch threads {cpu['torch_threads']}",
           file=sys.stderr)
     engine_args = {"max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_gib": 2.0,
-                   "enable_prefix_caching": False, **BOUND}
+                   "enable_prefix_caching": False, "dtype": "float32", **BOUND}
     columns = {"ours": Epd("epd.log", **engine_args)}
     """Name -> a column's process (run, close): every one is stopped however this ends."""
     try:

@@ -4,7 +4,7 @@ The load is issue 22's (NVIDIA's aiperf 0.13 measured it from outside): streamed
 completions, prompts of exactly --prompt-tokens tokens (256) of user content by the model's own
 tokenizer, exactly --output-tokens (64) out (``max_tokens`` with ``min_tokens`` and
 ``ignore_eos``, which both servers take), --concurrency (8) requests in flight until --requests
-(48) are done. SmolLM2-135M-Instruct, fp32, on this machine's CPU cores:
+(48) are done. SmolLM2-135M-Instruct, fp32 (--dtype: both servers), on this machine's CPU cores:
 
     load client ──HTTP──> epd up (defaults: router, 1 prefill, 1 decode, 1 KV store node)
     load client ──HTTP──> vLLM (.peers/vllm: python -m vllm.entrypoints.openai.api_server,
@@ -160,16 +160,16 @@ def session_pids(session_id: int) -> list[int]:
     return pids
 
 
-def epd_server(workdir: Path, extra_args: str) -> Server:
+def epd_server(workdir: Path, dtype: str, extra_args: str) -> Server:
     port, admin_port = free_port(HOST), free_port(HOST)
     script = Path(sys.executable).with_name("epd")   # the console script; without it, what it runs
     epd = [str(script)] if script.exists() else [sys.executable, "-m", "services.cli"]
-    argv = [*epd, "up", "--host", HOST, "--port", str(port),
+    argv = [*epd, "up", "--host", HOST, "--port", str(port), "--dtype", dtype,
             "--admin-port", str(admin_port), "--kvstore-dir", str(workdir / "kvstore"), *shlex.split(extra_args)]
     return Server("epd", argv, dict(os.environ), f"http://{HOST}:{port}", workdir / "epd.log")
 
 
-def vllm_server(workdir: Path, model_dir: Path, max_model_len: int) -> Server:
+def vllm_server(workdir: Path, model_dir: Path, dtype: str, max_model_len: int) -> Server:
     """Raises PeerUnavailable when .peers/vllm is not installed."""
     if not (VLLM_VENV / ".ready").exists():
         raise PeerUnavailable(f"{VLLM_VENV / '.ready'} missing: run `make bench-peers`")
@@ -179,7 +179,7 @@ def vllm_server(workdir: Path, model_dir: Path, max_model_len: int) -> Server:
            "VLLM_CPU_OMP_THREADS_BIND": cpu_ranges(usable_cpus()),
            "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB)}
     argv = [str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--served-model-name", MODEL_NAME, "--dtype", "float32", "--host", HOST, "--port", str(port),
+            "--served-model-name", MODEL_NAME, "--dtype", dtype, "--host", HOST, "--port", str(port),
             "--no-enable-prefix-caching", "--max-model-len", str(max_model_len)]
     return Server("vllm", argv, env, f"http://{HOST}:{port}", workdir / "vllm.log")
 
@@ -283,16 +283,16 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
     load = Load(args, prompts[:args.requests], prompts[args.requests:], model_dir, workdir)
     result = {"requests": args.requests, "concurrency": args.concurrency, "prompt_tokens": args.prompt_tokens,
               "output_tokens": args.output_tokens, "client": args.client, "cpus": len(usable_cpus()),
-              "epd_args": args.epd_args, "cpu": cpu_info()}
+              "dtype": args.dtype, "epd_args": args.epd_args, "cpu": cpu_info()}
     try:
-        result.update(measure(epd_server(workdir, args.epd_args), load, EPD_START_TIMEOUT_S))
+        result.update(measure(epd_server(workdir, args.dtype, args.epd_args), load, EPD_START_TIMEOUT_S))
     except PeerUnavailable as exc:   # ours not coming up is a failure, not an absent column
         raise SystemExit(f"epd: {exc}") from None
     if args.no_vllm:
         result["vllm_absent"] = "--no-vllm"
     else:
         try:
-            server = vllm_server(workdir, model_dir, max(2048, args.prompt_tokens + args.output_tokens + 128))
+            server = vllm_server(workdir, model_dir, args.dtype, max(2048, args.prompt_tokens + args.output_tokens + 128))
             result.update(measure(server, load, VLLM_START_TIMEOUT_S))
             result["vllm_version"] = vllm_version()
         except PeerUnavailable as exc:
@@ -317,6 +317,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--client", choices=("auto", "own", "aiperf"), default="auto",
                         help="the load client: aiperf 0.13 from .peers/aiperf, or this file's; auto: aiperf "
                              "where it is installed")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="both servers' precision (epd up's own default, auto, is bf16 on CPUs with native bf16)")
     parser.add_argument("--epd-args", default="", help="extra flags for epd up, e.g. '--prefills 2'")
     parser.add_argument("--quick", action="store_true", help="a tiny load (8 requests of 64 + 16 tokens, 4 at a time)")
     args = parser.parse_args(argv)

@@ -35,7 +35,9 @@ class EngineConfig:
     device: str = "auto"
     """"cpu", "cuda" or "auto" (CUDA when present)."""
     dtype: str = "auto"
-    """"float32", "bfloat16", "float16" or "auto" (fp32 on CPU, bf16 on CUDA)."""
+    """"float32", "bfloat16", "float16" or "auto": bf16 on CUDA; on the CPU bf16 for a model
+    published in 16 bits where the CPU computes bf16 natively (avx512_bf16 / AMX), else fp32,
+    the exact mode (model_runner.resolve_dtype)."""
     cpu_threads: str = "off"
     """A CPU engine's compute threads: "auto" (one per CPU of this process's affinity mask, each
     bound to its CPU: for CPUs the engine has to itself, such as a pod's dedicated cpuset), "off"

@@ -75,7 +75,7 @@ class LLMEngine:
         self.model_config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
         device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
+        dtype = resolve_dtype(config.dtype, device, cfg.dtype, config.batch_invariant or config.exact_prefill)
         bs = config.block_size
         # A hybrid model's window pool is sized for max_num_seqs full chunks (kv_groups.py); the
         # full-attention pool, num_kv_blocks, gets the rest of the memory.

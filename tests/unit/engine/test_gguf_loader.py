@@ -272,7 +272,7 @@ def test_smollm2_config(smollm2):
         architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
         num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
         rms_norm_eps=float(np.float32(1e-5)), rope_theta=100000.0, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_ids=(2,), name="SmolLM2-135M-Instruct",
+        bos_token_id=1, eos_token_ids=(2,), name="SmolLM2-135M-Instruct", dtype="bfloat16",  # Q4_1
     )
     assert "lm_head.weight" not in cached.weights and len(cached.weights) == 272
 
