@@ -173,29 +173,16 @@ def _library() -> ctypes.CDLL | None:
         norm = getattr(lib, f"add_rms_norm_{suffix}")
         norm.argtypes = [ptr] * 4 + [i64] * 2 + [f32, i32]
         norm.restype = None
-    lib.packed_gemm_size.argtypes = [i64, i64]
-    lib.packed_gemm_size.restype = i64
-    lib.packed_gemm_pack.argtypes = [ptr, ptr, i64, i64, i32]
-    lib.packed_gemm_pack.restype = None
-    lib.packed_gemm.argtypes = [ptr, i64, ptr, ptr, ptr] + [i64] * 4 + [i32]
-    lib.packed_gemm.restype = None
-    lib.packed_gemm_pack_gated.argtypes = [ptr, ptr, ptr, i64, i64, i32]
-    lib.packed_gemm_pack_gated.restype = None
-    lib.packed_gemm_gated.argtypes = [ptr, i64, ptr, ptr] + [i64] * 4 + [i32]
-    lib.packed_gemm_gated.restype = None
     lib.packed_gemm_bf16_available.argtypes = []
     lib.packed_gemm_bf16_available.restype = i32
-    if lib.packed_gemm_bf16_available():
-        lib.packed_gemm_bf16_size.argtypes = [i64, i64]
-        lib.packed_gemm_bf16_size.restype = i64
-        lib.packed_gemm_bf16_pack.argtypes = [ptr, ptr, i64, i64, i32]
-        lib.packed_gemm_bf16_pack.restype = None
-        lib.packed_gemm_bf16.argtypes = [ptr, i64, ptr, ptr, ptr] + [i64] * 4 + [i32]
-        lib.packed_gemm_bf16.restype = None
-        lib.packed_gemm_bf16_pack_gated.argtypes = [ptr, ptr, ptr, i64, i64, i32]
-        lib.packed_gemm_bf16_pack_gated.restype = None
-        lib.packed_gemm_bf16_gated.argtypes = [ptr, i64, ptr, ptr] + [i64] * 4 + [i32]
-        lib.packed_gemm_bf16_gated.restype = None
+    for product in ["packed_gemm"] + (["packed_gemm_bf16"] if lib.packed_gemm_bf16_available() else []):
+        for name, argtypes, restype in (
+                ("_size", [i64, i64], i64), ("_pack", [ptr, ptr, i64, i64, i32], None),
+                ("", [ptr, i64, ptr, ptr, ptr] + [i64] * 4 + [i32], None),
+                ("_pack_gated", [ptr, ptr, ptr, i64, i64, i32], None),
+                ("_gated", [ptr, i64, ptr, ptr] + [i64] * 4 + [i32], None)):
+            fn = getattr(lib, product + name)
+            fn.argtypes, fn.restype = argtypes, restype
     lib.bind_threads.argtypes = [ptr, i32]
     lib.bind_threads.restype = i32
     return lib
@@ -270,11 +257,9 @@ def kernels() -> CpuKernels | None:
 
     packs_bf16 = bool(lib.packed_gemm_bf16_available())
     # The packed product's entry points by element type: (size, pack, product, pack gated, gated).
-    products = {torch.float32: (lib.packed_gemm_size, lib.packed_gemm_pack, lib.packed_gemm,
-                                lib.packed_gemm_pack_gated, lib.packed_gemm_gated)}
-    if packs_bf16:
-        products[torch.bfloat16] = (lib.packed_gemm_bf16_size, lib.packed_gemm_bf16_pack, lib.packed_gemm_bf16,
-                                    lib.packed_gemm_bf16_pack_gated, lib.packed_gemm_bf16_gated)
+    products = {dtype: tuple(getattr(lib, prefix + name) for name in ("_size", "_pack", "", "_pack_gated", "_gated"))
+                for dtype, prefix in ((torch.float32, "packed_gemm"), (torch.bfloat16, "packed_gemm_bf16"))
+                if dtype == torch.float32 or packs_bf16}
 
     def _product(t: torch.Tensor):
         assert t.dtype in products and t.device.type == "cpu", f"no packed product for {t.dtype} on {t.device}"
