@@ -292,7 +292,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         result["vllm_absent"] = "--no-vllm"
     else:
         try:
-            server = vllm_server(workdir, model_dir, args.dtype, max(2048, args.prompt_tokens + args.output_tokens + 128))
+            max_model_len = max(2048, args.prompt_tokens + args.output_tokens + 128)
+            server = vllm_server(workdir, model_dir, args.dtype, max_model_len)
             result.update(measure(server, load, VLLM_START_TIMEOUT_S))
             result["vllm_version"] = vllm_version()
         except PeerUnavailable as exc:

@@ -13,12 +13,12 @@ while they equal the drafts::
 
 Greedy output is therefore the plain output, bit for bit: each row of a verify step is
 computed as a plain decode step would (the packed products, whose rows are independent, and
-each token's attention as a single-token decode: attention.build_metadata's ``verify``). A sampled output is exact in distribution: s_j is
-drawn from the model's distribution after the kept prefix, which for a drafter that proposes one
-token with certainty is what rejection sampling reduces to (accept d with probability p(d), else
-draw from p without d). Seeded rows stay identical to plain decoding: position j draws the
-uniform a plain step would draw for that output index, and the generator is rewound to just past
-the kept tokens (model_runner.py).
+each token's attention as a single-token decode: attention.build_metadata's ``verify``).
+A sampled output is exact in distribution: s_j is drawn from the model's distribution after the
+kept prefix, which for a drafter that proposes one token with certainty is what rejection
+sampling reduces to (accept d with probability p(d), else draw from p without d). Seeded rows
+stay identical to plain decoding: position j draws the uniform a plain step would draw for that
+output index, and the generator is rewound to just past the kept tokens (model_runner.py).
 
 Drafters are small classes behind ``Drafter.propose`` (a draft model or an MTP head would be
 another one, run by the runner before the verify step); today's is n-gram prompt lookup.

@@ -210,8 +210,8 @@ def _entry(lib: ctypes.CDLL, kind: str, dtype: torch.dtype, head_dim: int | None
 def kernels() -> CpuKernels | None:
     """The kernels (see ``paged_decode.c``, ``paged_prefill.c``, ``rope_store.c``, ``rms_norm.c``), or None
     where they cannot be built. They take float32 or bfloat16 CPU tensors (one dtype a call;
-    the packed product bfloat16 only where ``packs_bf16``), all contiguous, and int64 index tensors (see the C sources
-    for shapes).
+    the packed product bfloat16 only where ``packs_bf16``), all contiguous, and int64 index
+    tensors (see the C sources for shapes).
     """
     lib = _library()
     if lib is None:

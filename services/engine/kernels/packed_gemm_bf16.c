@@ -148,7 +148,8 @@ static void product(const bf16 *x, int64_t lda, const bf16 *packed, const bf16 *
                     } else {
                         for (int j = 0; j < 4; j++) {
                             const int64_t left = width - j * W;
-                            if (left > 0) narrow(dst + j * W, sums[i][j] + *(const vfu *)(b + j * W), left < W ? left : W);
+                            if (left > 0)
+                                narrow(dst + j * W, sums[i][j] + *(const vfu *)(b + j * W), left < W ? left : W);
                         }
                     }
                 }
