@@ -173,7 +173,8 @@ class AttentionMetadata:
 def build_metadata(chunks: list[tuple[int, int, BlockTable | Sequence[int]]], block_size: int,
                    num_layers: int, device: torch.device, kernels: CpuKernels | TritonKernels | None = None,
                    batch_invariant: bool = False, kept_until: Sequence[int] = (),
-                   discard_block: int = -1, fresh_in_kernel: bool = False, verify: bool = False) -> AttentionMetadata:
+                   discard_block: int = -1, fresh_in_kernel: bool = False,
+                   drafted: Sequence[bool] = ()) -> AttentionMetadata:
     """``chunks``: (start_position, num_new_tokens, block table) per sequence, in batch order.
     With ``kernels`` (the CPU's or the Triton ones), single-token decodes go to them as one
     :class:`DecodeBatch` and continued chunks as one :class:`PrefillBatch`; fresh prompts stay
@@ -188,10 +189,10 @@ def build_metadata(chunks: list[tuple[int, int, BlockTable | Sequence[int]]], bl
     included, goes to the prefill kernel, which computes each query alone over its context's
     keys in the same order however the prompt was chunked (keys past a query add exact zeros).
 
-    ``verify`` (a verify step: each chunk a decode and its speculative drafts): each token of a
-    chunk attends as a single-token decode over the context up to itself, so its bits are those
-    of the plain decode step that would compute it (the prefill kernel sums in another order:
-    ~1e-4 apart in fp32's logits, whole units in bf16's, enough to flip a greedy token)."""
+    ``drafted`` (per chunk, where given): the chunk is a decode and its speculative drafts; each of
+    its tokens attends as a single-token decode over the context up to itself, so its bits are
+    those of the plain decode step that would compute it (the prefill kernel sums in another
+    order: ~1e-4 apart in fp32's logits, whole units in bf16's, enough to flip a greedy token)."""
     stride = 2 * num_layers  # block rows per block
     slot_rows: list[int] = []
     spans: list[Span] = []
@@ -209,7 +210,7 @@ def build_metadata(chunks: list[tuple[int, int, BlockTable | Sequence[int]]], bl
         num_ctx_blocks = -(-(start + n) // block_size)
         if batch_invariant:
             continued.append((token_start, n, start, table, num_ctx_blocks))
-        elif (n == 1 or verify) and start > 0:
+        elif (n == 1 or (drafted and drafted[i])) and start > 0:
             for j in range(n):
                 dec_index.append(token_start + j)
                 dec_tables.append((table, -(-(start + j + 1) // block_size)))

@@ -242,7 +242,8 @@ class ModelRunner:
         hidden, meta = self._forward(
             [(c.start_position, c.token_ids, state.block_tables) for c, state in zip(out.chunks, states)],
             [c.mm_embeds for c in out.chunks], is_verify_step,
-            [state.replay_until for state in states] if self._discard_block >= 0 else ())
+            [state.replay_until for state in states] if self._discard_block >= 0 else (),
+            [bool(c.draft_token_ids) for c in out.chunks])
         sample_rows, rows, ids, constrained, verifying = [], [], [], [], []
         end = 0
         for chunk, state in zip(out.chunks, states):
@@ -305,10 +306,11 @@ class ModelRunner:
 
     def _forward(self, chunks: list[tuple[int, list[int], Sequence[BlockTable | list[BlockId]]]],
                  mm_embeds: list[list[tuple[int, torch.Tensor]]] | None = None, is_verify_step: bool = False,
-                 replay_until: Sequence[int] = ()) -> tuple[torch.Tensor, AttentionMetadata]:
+                 replay_until: Sequence[int] = (),
+                 drafted: Sequence[bool] = ()) -> tuple[torch.Tensor, AttentionMetadata]:
         """Final hidden states of the flat batch, and the step's attention metadata (group 0's;
         ``chunks`` carry one block table per KV group; ``replay_until`` per chunk, where given:
-        RequestState.replay_until)."""
+        RequestState.replay_until; ``drafted`` per chunk: a decode with speculative drafts)."""
         if self.threads is not None:
             self.threads.ensure()
         input_ids = torch.tensor([t for _, toks, _ in chunks for t in toks], dtype=torch.long,
@@ -325,7 +327,7 @@ class ModelRunner:
         metas = [build_metadata([(s, len(toks), tables[group]) for s, toks, tables in chunks], self.block_size,
                                 num_layers, self.device, self._kernels, self.batch_invariant,
                                 replay_until if group == 0 else (), self._discard_block, self._fresh_in_kernel,
-                                is_verify_step)
+                                drafted)
                  for group, num_layers in enumerate(self._group_num_layers)]
         workspace = self._workspace(max(meta.max_gather_blocks for meta in metas))
         for meta in metas:

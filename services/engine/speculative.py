@@ -13,7 +13,7 @@ while they equal the drafts::
 
 Greedy output is therefore the plain output, bit for bit: each row of a verify step is
 computed as a plain decode step would (the packed products, whose rows are independent, and
-each token's attention as a single-token decode: attention.build_metadata's ``verify``).
+each token's attention as a single-token decode: attention.build_metadata's ``drafted``).
 A sampled output is exact in distribution: s_j is drawn from the model's distribution after the
 kept prefix, which for a drafter that proposes one token with certainty is what rejection
 sampling reduces to (accept d with probability p(d), else draw from p without d). Seeded rows

@@ -166,6 +166,24 @@ def test_bf16_outputs_and_logprobs_are_the_same_bits_with_and_without_speculatio
         assert [lp.logprob for lp in got.logprobs] == [lp.logprob for lp in want.logprobs]
 
 
+def test_drafts_beside_new_prompts_and_in_big_steps_keep_plain_decodings_bits(tiny_llama_dir):
+    """Drafted decodes in a step with new prompts (admitted as others finish) and in steps of more
+    than 64 rows (16 sequences, 4 drafts each) still attend as plain decodes. The budget keeps
+    every prompt one chunk, so both engines prefill alike."""
+    kwargs = dict(num_kv_blocks=1024, max_num_seqs=16, max_num_batched_tokens=4096)
+    plain = LLM(str(tiny_llama_dir), **kwargs)
+    spec = LLM(str(tiny_llama_dir), **kwargs, speculative_config=SPEC)
+    prompts = repetitive_prompts(20) + random_prompts(4, [40, 90, 150, 200], seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=12 + 5 * (i % 6), ignore_eos=True, logprobs=1)
+              for i in range(len(prompts))]
+    expected = plain.generate(prompts, params)
+    outs = spec.generate(prompts, params)
+    assert spec.engine.num_accepted_tokens > 0
+    for got, want in zip(outs, expected):
+        assert got.token_ids == want.token_ids
+        assert [lp.logprob for lp in got.logprobs] == [lp.logprob for lp in want.logprobs]
+
+
 def test_a_batch_of_one_greedy_request_decodes_in_fewer_steps(plain, spec):
     prompt = repetitive_prompts(1)[0]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
