@@ -36,7 +36,7 @@ class EngineConfig:
     """"cpu", "cuda" or "auto" (CUDA when present)."""
     dtype: str = "auto"
     """"float32", "bfloat16", "float16" or "auto": bf16 on CUDA; on the CPU bf16 for a model
-    published in 16 bits where the CPU computes bf16 natively (avx512_bf16 / AMX), else fp32,
+    published in 16 bits where the CPU computes bf16 natively (AVX512_BF16, the C kernels built), else fp32,
     the exact mode (model_runner.resolve_dtype)."""
     cpu_threads: str = "off"
     """A CPU engine's compute threads: "auto" (one per CPU of this process's affinity mask, each

@@ -88,8 +88,8 @@ def resolve_dtype(dtype: str, device: torch.device, published: str = "float32", 
 
     auto: bf16 on CUDA; on the CPU bf16 where it pays, fp32 elsewhere. It pays where the model
     was published in 16 bits (an fp32 checkpoint stays fp32, as vLLM's auto keeps it) and the
-    CPU computes bf16 products natively (``avx512_bf16`` or AMX): on a 2-core Zen 4, SmolLM2
-    ~1.7x fp32's generated tokens a second (benchmarks/engine_throughput.py); without them torch
+    CPU computes bf16 products natively (:func:`cpu_computes_bf16`): on a 2-core Zen 4, SmolLM2
+    ~1.8x fp32's generated tokens a second (benchmarks/engine_throughput.py); without them torch
     emulates bf16, slower than fp32. ``exact``: a mode that needs fp32 (batch-invariant, exact
     prefill) keeps fp32 on the CPU.
     """
@@ -101,10 +101,13 @@ def resolve_dtype(dtype: str, device: torch.device, published: str = "float32", 
     return torch.bfloat16 if native else torch.float32
 
 
-@functools.cache
 def cpu_computes_bf16() -> bool:
-    """This CPU has bf16 dot products (``avx512_bf16``) or AMX tiles, which oneDNN's bf16 use."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    """The CPU kernels' packed bf16 product was built here (the CPU has AVX512_BF16, as AMX's
+    do): bf16 products run natively and a row's bits do not depend on the batch, as in fp32, so
+    bf16 keeps the engine's guarantees (seeded outputs alone or batched, speculative decoding
+    equal to plain). Without the kernels (no C compiler, ``EPD_CPU_KERNELS=0``) auto stays fp32."""
+    kernels = kernel_select.kernels_for("cpu")
+    return kernels is not None and kernels.packs_bf16
 
 
 @functools.cache

@@ -142,8 +142,12 @@ def test_outputs_are_the_same_with_and_without_speculation(plain, spec, params):
     if params.logprobs:
         for got, want in zip(outs, expected):
             assert [lp.token_id for lp in got.logprobs] == [lp.token_id for lp in want.logprobs]
-            # each verified row attends as a plain decode does: the same bits
-            assert [lp.logprob for lp in got.logprobs] == [lp.logprob for lp in want.logprobs]
+            # each verified row is computed as a plain decode is: the same bits where the CPU's
+            # kernels run (torch's products, without them, depend on the rows around)
+            exact = spec.engine.runner.attention_backend == "cpu"
+            assert [lp.logprob for lp in got.logprobs] == (
+                [lp.logprob for lp in want.logprobs] if exact else
+                pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4))
     assert drafted > 0, drafted
     # At temperature 1 a random model's tokens are near uniform over its vocabulary: no draft
     # survives, which must not change the output either.
@@ -151,9 +155,12 @@ def test_outputs_are_the_same_with_and_without_speculation(plain, spec, params):
     assert spec.engine.block_manager.num_free_blocks == spec.engine.block_manager.num_blocks
 
 
-def test_bf16_outputs_and_logprobs_are_the_same_bits_with_and_without_speculation(tiny_llama_dir):
+def test_bf16_outputs_and_logprobs_are_the_same_bits_with_and_without_speculation(tiny_llama_dir, kernels):
     """In bf16 a verified row whose attention summed in another order than a decode's would
-    round to other bf16 activations, whole units apart in the logits (greedy tokens flipped)."""
+    round to other bf16 activations, whole units apart in the logits (greedy tokens flipped).
+    Needs the packed bf16 product (oneDNN's rows depend on the batch)."""
+    if not kernels.packs_bf16:
+        pytest.skip("the packed bf16 product needs AVX512_BF16")
     plain = LLM(str(tiny_llama_dir), num_kv_blocks=256, dtype="bfloat16", device="cpu")
     spec = LLM(str(tiny_llama_dir), num_kv_blocks=256, dtype="bfloat16", device="cpu", speculative_config=SPEC)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
@@ -166,10 +173,11 @@ def test_bf16_outputs_and_logprobs_are_the_same_bits_with_and_without_speculatio
         assert [lp.logprob for lp in got.logprobs] == [lp.logprob for lp in want.logprobs]
 
 
-def test_drafts_beside_new_prompts_and_in_big_steps_keep_plain_decodings_bits(tiny_llama_dir):
+def test_drafts_beside_new_prompts_and_in_big_steps_keep_plain_decodings_bits(tiny_llama_dir, kernels):
     """Drafted decodes in a step with new prompts (admitted as others finish) and in steps of more
     than 64 rows (16 sequences, 4 drafts each) still attend as plain decodes. The budget keeps
-    every prompt one chunk, so both engines prefill alike."""
+    every prompt one chunk, so both engines prefill alike. Where prompt steps keep MKL's products
+    (Intel's CPUs), such steps' rows are not the packed product's: there the tokens only."""
     kwargs = dict(num_kv_blocks=1024, max_num_seqs=16, max_num_batched_tokens=4096)
     plain = LLM(str(tiny_llama_dir), **kwargs)
     spec = LLM(str(tiny_llama_dir), **kwargs, speculative_config=SPEC)
@@ -179,9 +187,11 @@ def test_drafts_beside_new_prompts_and_in_big_steps_keep_plain_decodings_bits(ti
     expected = plain.generate(prompts, params)
     outs = spec.generate(prompts, params)
     assert spec.engine.num_accepted_tokens > 0
+    every_step_packed = spec.engine.runner.prompt_products == "packed"
     for got, want in zip(outs, expected):
         assert got.token_ids == want.token_ids
-        assert [lp.logprob for lp in got.logprobs] == [lp.logprob for lp in want.logprobs]
+        if every_step_packed:
+            assert [lp.logprob for lp in got.logprobs] == [lp.logprob for lp in want.logprobs]
 
 
 def test_a_batch_of_one_greedy_request_decodes_in_fewer_steps(plain, spec):
