@@ -13,12 +13,15 @@ tokenizer, exactly --output-tokens (64) out (``max_tokens`` with ``min_tokens`` 
 
 One server at a time: start it (its own session, free ports), wait until it answers, warm it
 up with --concurrency requests (not timed), run the timed load, stop it (SIGINT, then SIGKILL
-to every process of its session) and check no process of it is left.
+to every process of its session) and check no process of it is left. --repeats N does that N
+times for each server, the order alternating (epd first in even repeats, vLLM in odd ones), each
+run a fresh start in a directory of its own (so epd's KV store starts empty every time): on a
+noisy machine the medians of 3 say more than one run (the README's figures).
 
 The load client: aiperf 0.13 itself where it is installed (``.peers/aiperf``, its own venv, which
 ``make bench-peers`` creates), sending its synthetic prompts (Shakespeare sonnet text,
---random-seed fixed, so the same prompts for both servers); else (or with ``--client own``) our own httpx client (serving_load.py), measuring as
-aiperf does: TTFT from sending the request to the first chunk with content; a request's
+--random-seed fixed, so the same prompts for both servers); else (or with ``--client own``) our
+own httpx client (serving_load.py), measuring as aiperf does: TTFT from sending the request to the first chunk with content; a request's
 inter-token latency (ITL) (end of the stream - that chunk) / (output tokens - 1), so a server
 that streams several tokens per chunk is measured alike; output throughput every output token
 (the usage chunk's count) over the timed load's wall time. Its prompts are random one-token words
@@ -35,14 +38,17 @@ nothing left by the previous one.
 Figures (the last line, JSON), for S in epd, vllm: ``S_output_tok_s``, ``S_ttft_ms_p50``,
 ``S_ttft_ms_p99``, ``S_itl_ms_mean``, ``S_itl_ms_p50``, ``S_requests``, ``S_errors``,
 ``S_wrong_lengths`` (requests that did not give exactly --output-tokens), ``S_prompt_cached_pct``,
-``S_processes_left`` (0), ``S_load_avg_1m`` (the machine's, as the timed load began); then
-``throughput_vs_vllm``, ``ttft_p99_vs_vllm`` and ``itl_vs_vllm`` (mean ITL), epd over vLLM, null
+``S_processes_left`` (0), ``S_load_avg_1m`` (the machine's, as the timed load began): with
+--repeats the counts (requests, errors, wrong lengths, processes left) summed over the runs and
+every other figure their median; then ``throughput_vs_vllm``, ``ttft_p99_vs_vllm`` and
+``itl_vs_vllm`` (mean ITL), epd over vLLM from those medians (with --repeats, each repeat's own
+ratios too, as ``throughput_vs_vllm_runs`` and so on: ahead in every pair or not), null
 when vLLM is absent (``vllm_absent`` says why: --no-vllm, not installed, or it did not come up
 or answer: never an error), and ``cpu``, what they were taken on. On a 2-core machine shared
 with other work, with the load client on the same cores, the figures are indicative only.
 
     .venv/bin/python benchmarks/serving.py [--requests 48] [--concurrency 8] [--prompt-tokens 256]
-        [--output-tokens 64] [--no-vllm] [--client auto|own|aiperf] [--epd-args '--prefills 2']
+        [--output-tokens 64] [--repeats 1] [--no-vllm] [--client auto|own|aiperf] [--epd-args '--prefills 2']
     .venv/bin/python benchmarks/serving.py --quick   # a tiny load, about a minute per server
 """
 
@@ -54,6 +60,7 @@ import json
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -275,31 +282,72 @@ def ratios(result: dict) -> dict:
             "itl_vs_vllm": over("itl_ms_mean")}
 
 
+COUNTS = ("requests", "errors", "wrong_lengths", "processes_left")
+"""Per-server figures summed over the repeats (the rest are each repeat's median)."""
+
+
+def combine(runs: list[dict]) -> dict:
+    """One server's repeats as one: counts summed, every other figure the repeats' median."""
+    combined = {}
+    for key in runs[0]:
+        values = [run[key] for run in runs if run.get(key) is not None]
+        if key.split("_", 1)[1] in COUNTS:
+            combined[key] = sum(values)
+        else:
+            combined[key] = round(statistics.median(values), 3) if values else None
+    return combined
+
+
 def run(args: argparse.Namespace, workdir: Path) -> dict:
+    """Each repeat starts each server afresh (its own directory: logs, a new KV store) and runs
+    the same load; even repeats epd first, odd ones vLLM first, so a machine that speeds up or
+    slows down through the run hits both alike."""
     from services.engine.models.loader import resolve_model_dir  # torch: the model's directory, once
 
     model_dir = resolve_model_dir(None)[0]
     prompts = make_prompts(model_dir, args.requests + args.concurrency, args.prompt_tokens, SEED)
-    load = Load(args, prompts[:args.requests], prompts[args.requests:], model_dir, workdir)
     result = {"requests": args.requests, "concurrency": args.concurrency, "prompt_tokens": args.prompt_tokens,
               "output_tokens": args.output_tokens, "client": args.client, "cpus": len(usable_cpus()),
-              "dtype": args.dtype, "epd_args": args.epd_args, "cpu": cpu_info()}
-    try:
-        result.update(measure(epd_server(workdir, args.dtype, args.epd_args), load, EPD_START_TIMEOUT_S))
-    except PeerUnavailable as exc:   # ours not coming up is a failure, not an absent column
-        raise SystemExit(f"epd: {exc}") from None
+              "dtype": args.dtype, "epd_args": args.epd_args, "repeats": args.repeats, "cpu": cpu_info()}
+    runs: dict[str, list[dict]] = {"epd": [], "vllm": []}
     if args.no_vllm:
         result["vllm_absent"] = "--no-vllm"
-    else:
-        try:
-            max_model_len = max(2048, args.prompt_tokens + args.output_tokens + 128)
-            server = vllm_server(workdir, model_dir, args.dtype, max_model_len)
-            result.update(measure(server, load, VLLM_START_TIMEOUT_S))
-            result["vllm_version"] = vllm_version()
-        except PeerUnavailable as exc:
-            log(f"vllm: absent: {exc}")
-            result["vllm_absent"] = str(exc)
+    for repeat in range(args.repeats):
+        rundir = workdir / f"run{repeat}"
+        rundir.mkdir()
+        load = Load(args, prompts[:args.requests], prompts[args.requests:], model_dir, rundir)
+        for name in ("epd", "vllm") if repeat % 2 == 0 else ("vllm", "epd"):
+            if name == "epd":
+                try:
+                    runs["epd"].append(measure(epd_server(rundir, args.dtype, args.epd_args), load,
+                                               EPD_START_TIMEOUT_S))
+                except PeerUnavailable as exc:   # ours not coming up is a failure, not an absent column
+                    raise SystemExit(f"epd: {exc}") from None
+            elif "vllm_absent" not in result:
+                try:
+                    max_model_len = max(2048, args.prompt_tokens + args.output_tokens + 128)
+                    server = vllm_server(rundir, model_dir, args.dtype, max_model_len)
+                    runs["vllm"].append(measure(server, load, VLLM_START_TIMEOUT_S))
+                    result["vllm_version"] = vllm_version()
+                except PeerUnavailable as exc:
+                    log(f"vllm: absent: {exc}")
+                    result["vllm_absent"] = str(exc)
+                    runs["vllm"] = []
+    result.update(summarize(runs))
+    return result
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """Each server's runs combined, the ratios of those, and with more than one repeat of both,
+    each repeat's own ratios (``..._runs``): ahead in every pair or not."""
+    result = {}
+    for server_runs in runs.values():
+        if server_runs:
+            result.update(combine(server_runs))
     result.update(ratios(result))
+    if len(runs["vllm"]) == len(runs["epd"]) > 1:
+        pairs = [ratios({**epd, **vllm}) for epd, vllm in zip(runs["epd"], runs["vllm"])]
+        result.update({f"{key}_runs": [pair[key] for pair in pairs] for key in pairs[0]})
     return result
 
 
@@ -320,13 +368,15 @@ def main(argv: list[str] | None = None) -> None:
                              "where it is installed")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="both servers' precision (epd up's own default, auto, is bf16 on CPUs with native bf16)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each server, the order alternating; figures are the medians")
     parser.add_argument("--epd-args", default="", help="extra flags for epd up, e.g. '--prefills 2'")
     parser.add_argument("--quick", action="store_true", help="a tiny load (8 requests of 64 + 16 tokens, 4 at a time)")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.concurrency, args.prompt_tokens, args.output_tokens = 8, 4, 64, 16
-    if min(args.requests, args.concurrency, args.prompt_tokens, args.output_tokens) < 1:
-        parser.error("--requests, --concurrency, --prompt-tokens and --output-tokens must be >= 1")
+    if min(args.requests, args.concurrency, args.prompt_tokens, args.output_tokens, args.repeats) < 1:
+        parser.error("--requests, --concurrency, --prompt-tokens, --output-tokens and --repeats must be >= 1")
     if args.client == "auto":
         args.client = "aiperf" if AIPERF.exists() else "own"
     if args.client == "aiperf" and not AIPERF.exists():
