@@ -18,16 +18,16 @@ times for each server, the order alternating (epd first in even repeats, vLLM in
 run a fresh start in a directory of its own (so epd's KV store starts empty every time): on a
 noisy machine the medians of 3 say more than one run (the README's figures).
 
-The load client: aiperf 0.13 itself where it is installed (``.peers/aiperf``, its own venv, which
-``make bench-peers`` creates), sending its synthetic prompts (Shakespeare sonnet text,
+The load client: aiperf 0.13 itself where it is installed (``.peers/aiperf``, its own venv,
+which ``make bench-peers`` creates), sending its synthetic prompts (Shakespeare sonnet text,
 --random-seed fixed, so the same prompts for both servers); else (or with ``--client own``) our
-own httpx client (serving_load.py), measuring as aiperf does: TTFT from sending the request to the first chunk with content; a request's
-inter-token latency (ITL) (end of the stream - that chunk) / (output tokens - 1), so a server
-that streams several tokens per chunk is measured alike; output throughput every output token
-(the usage chunk's count) over the timed load's wall time. Its prompts are random one-token words
-of the tokenizer's, drawn with a fixed seed, so each encodes to exactly --prompt-tokens tokens.
-Either way one prompt per request, none repeated (the warm-up has its own), and every server
-counts the chat template's tokens on top (about 30).
+own httpx client (serving_load.py), measuring as aiperf does: TTFT from sending the request to
+the first chunk with content; a request's inter-token latency (ITL) (end of the stream - that
+chunk) / (output tokens - 1), so a server that streams several tokens per chunk is measured
+alike; output throughput every output token (the usage chunk's count) over the timed load's wall
+time. Its prompts are random one-token words of the tokenizer's, drawn with a fixed seed, so
+each encodes to exactly --prompt-tokens tokens. Either way one prompt per request, none repeated
+(the warm-up has its own), and every server counts the chat template's tokens on top (about 30).
 
 Prefix caching: vLLM's is off. epd's stays at its default, on (each engine's block cache and the
 KV store node): with prompts that differ from their first words only the chat template's system
