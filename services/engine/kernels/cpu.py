@@ -12,6 +12,9 @@ sums), the RoPE kernel no contracted FMAs either (it reproduces torch's bits). `
 step only: linking a shared object with it (gcc < 13) would set flush-to-zero for the whole
 process when the object loads.
 
+``EPD_CPU_MARCH`` builds for another instruction set than this CPU's own (gcc's ``-march``):
+``x86-64-v3`` (AVX2 and FMA) runs the AVX2 paths on an AVX-512 CPU, as the tests do there.
+
 No compiler, a failed build, or ``EPD_CPU_KERNELS=0``: :func:`kernels` returns None and the
 model and attention keep their torch path (logged once).
 """
@@ -24,6 +27,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -37,7 +41,9 @@ from services.engine.models.loader import CACHE_ENV
 
 logger = logging.getLogger(__name__)
 
-COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11")
+COMPILE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=gnu11")
+MARCH_ENV = "EPD_CPU_MARCH"
+"""The instruction set to build for (``-march``): this CPU's own (``native``) unless set."""
 BF16 = ("-DEPD_BF16",)
 """Builds a source for bfloat16 elements (element.h): its names end in _bf16, not _f32."""
 SOURCES = tuple((Path(__file__).with_name(name), flags) for name, flags in (
@@ -118,6 +124,26 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(wanted)))
 
 
+def march() -> str:
+    return os.environ.get(MARCH_ENV) or "native"
+
+
+def _missing_features(cc: str, target: str) -> list[str]:
+    """The vector extensions the compiler's ``-march=target`` assumes and this CPU lacks (its
+    kernels would die of an illegal instruction here): the target's feature macros (``__AVX2__``,
+    ``__AVX512BF16__``...) against /proc/cpuinfo's flags, underscores aside. None on a CPU
+    without /proc/cpuinfo, where nothing can be said."""
+    flags = next((ln.split(":", 1)[1].split() for ln in _cpu_identity().splitlines() if ln.startswith("flags")), None)
+    if flags is None:
+        return []
+    done = subprocess.run([cc, f"-march={target}", "-dM", "-E", "-"], input="", capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{MARCH_ENV}={target}: {done.stderr.strip().splitlines()[0][:300]}")
+    wanted = [w.lower() for w in re.findall(r"#define __((?:AVX|AMX|FMA|F16C|BMI)\w*)__ 1", done.stdout)]
+    have = {f.replace("_", "") for f in flags} | ({"bmi"} if "bmi1" in flags else set())  # gcc's __BMI__
+    return sorted(w for w in wanted if w.replace("_", "") not in have)
+
+
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
@@ -129,9 +155,13 @@ def build(sources: tuple[tuple[Path, tuple[str, ...]], ...] = SOURCES, cache_dir
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    missing = [] if march() == "native" else _missing_features(cc, march())
+    if missing:
+        raise RuntimeError(f"{MARCH_ENV}={march()} uses {', '.join(missing)}, which this CPU lacks")
     parts = [text for s, flags in sources for text in (s.name, s.read_text(), *flags)]
     parts += [h.read_text() for h in HEADERS]
-    key = hashlib.sha256("\0".join([*parts, *COMPILE_FLAGS, *LINK_FLAGS, version,
+    compile_flags = (*COMPILE_FLAGS, f"-march={march()}")
+    key = hashlib.sha256("\0".join([*parts, *compile_flags, *LINK_FLAGS, version,
                                     _cpu_identity()]).encode()).hexdigest()[:16]
     directory = cache_dir or _cache_dir()
     target = directory / f"cpu_kernels-{key}.so"
@@ -141,7 +171,7 @@ def build(sources: tuple[tuple[Path, tuple[str, ...]], ...] = SOURCES, cache_dir
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         objects = [str(Path(tmp) / f"{i}-{s.stem}.o") for i, (s, _) in enumerate(sources)]
         lib = Path(tmp) / "kernels.so"
-        commands = [[cc, *COMPILE_FLAGS, *flags, "-c", str(s), "-o", o]
+        commands = [[cc, *compile_flags, *flags, "-c", str(s), "-o", o]
                     for (s, flags), o in zip(sources, objects)]
         for cmd in commands + [[cc, *LINK_FLAGS, *objects, "-o", str(lib), "-lm"]]:
             done = subprocess.run(cmd, capture_output=True, text=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -14,11 +15,31 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 from services.engine.kernels import cpu
 
 
-@pytest.fixture
-def kernels() -> cpu.CpuKernels:
-    """The CPU's kernels; tests that take them are skipped where no C compiler exists."""
+
+def _cpu_flags() -> set[str]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return next((set(ln.split(":", 1)[1].split()) for ln in lines if ln.startswith("flags")), set())
+
+
+# The instruction sets the kernels are tested for: this CPU's own and, on an AVX-512 CPU, AVX2
+# (x86-64-v3) too: its paths (8-float vectors, other tiles, the generic exp) run there as well.
+ISAS = ["native"] + (["x86-64-v3"] if {"avx512f", "avx2", "fma", "bmi2"} <= _cpu_flags() else [])
+
+
+@pytest.fixture(params=ISAS)
+def kernels(request, monkeypatch) -> cpu.CpuKernels:
+    """The CPU's kernels, built for each of ISAS in turn (``cpu.kernels()`` too, so an engine
+    packs and computes with the same build); tests that take them are skipped where no C
+    compiler exists."""
     if cpu._compiler() is None:
         pytest.skip("no C compiler: the engine uses its torch path, tested elsewhere")
+    if request.param != "native":
+        monkeypatch.setenv(cpu.MARCH_ENV, request.param)
+        cpu.kernels.cache_clear()
+        request.addfinalizer(cpu.kernels.cache_clear)  # this CPU's own build for the tests after
     k = cpu.kernels()
     assert k is not None, "a C compiler is present but the kernels did not build (see the log)"
     return k

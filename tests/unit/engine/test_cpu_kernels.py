@@ -3,6 +3,7 @@ RMSNorm) against the torch path they replace (their reference)."""
 
 from __future__ import annotations
 
+import platform
 import random
 
 import pytest
@@ -178,6 +179,24 @@ def test_a_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog)
     monkeypatch.setenv("CC", "/bin/false")
     assert cpu._library() is None
     assert "CPU kernels unavailable" in caplog.text
+
+
+@pytest.mark.parametrize("target, says", [
+    ("sapphirerapids", "which this CPU lacks"),  # AVX-512 with FP16 and AMX: more than most CPUs have
+    ("no-such-cpu", "no-such-cpu"),              # the compiler's own words
+])
+def test_a_target_this_cpu_cannot_run_falls_back_with_a_warning(tmp_path, monkeypatch, caplog, target, says):
+    """EPD_CPU_MARCH naming extensions this CPU lacks would kill the engine with an illegal
+    instruction at its first kernel: nothing is built, the torch path is used, the log says why."""
+    if platform.machine() != "x86_64":
+        pytest.skip("the targets are x86's")
+    if says != target and not cpu._missing_features(cpu._compiler(), target):
+        pytest.skip(f"this CPU runs {target}'s instructions")
+    monkeypatch.setenv("EPD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(cpu.MARCH_ENV, target)
+    assert cpu._library() is None
+    assert f"{cpu.MARCH_ENV}={target}" in caplog.text and says in caplog.text
+    assert not (tmp_path / "kernels").exists()
 
 
 def test_the_build_is_cached_and_leaves_floating_point_modes_alone(tmp_path, kernels):
