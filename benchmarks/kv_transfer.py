@@ -9,8 +9,9 @@ a block), then moves 64 MiB of those blocks from an owner instance to a reader i
     tcp: pulls from the owner's data server          a raw socket sender, optional Mooncake,
     nixl: one-sided UCX reads via NIXL               its NIXL agent (when nixl is installed)
 
-The owner is a separate process (it would be on a real deployment), so its data server does
-not share the reader's GIL. Every transport read includes the checksum check of every block.
+The owner is a separate process (``kv_transfer_owner.py``), as it would be on a real deployment,
+so its data server does not share the reader's GIL. Every transport read includes the checksum
+check of every block.
 Baselines, same bytes, same run: ``memcpy`` is the shm transport's copy primitive at its best
 (np.copyto of the whole 64 MiB split over the same copy threads, no checksum) from the same
 mapping of the owner's region file into the same destination; ``torch_copy`` is one torch
@@ -40,7 +41,6 @@ Last line: JSON (goals: shm_vs_memcpy >= 0.6, tcp_vs_socket >= 0.7, nixl_vs_raw 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import mmap
 import os
@@ -48,7 +48,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -58,77 +57,19 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.kv_transfer_owner import OWNER_LINE, TIMEOUT_S, TRANSPORTS  # noqa: E402
 from kvstore.transfer import (  # noqa: E402
     BlockDesc, Endpoint, KVHandle, MemoryRegion, RegionDesc, TransferEngine, TransferState, wire)
 from kvstore.transfer import nixl as nixl_transport  # noqa: E402  (imports nixl itself lazily)
-from kvstore.transfer.engine import TRANSPORT_CHOICES  # noqa: E402
 
-os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's glog: warnings and up only
-OWNER_LINE = "OWNER "
+OWNER_SCRIPT = Path(__file__).with_name("kv_transfer_owner.py")
 NUM_COPY_THREADS = min(4, os.cpu_count() or 1)  # what the shm transport uses by default
-TIMEOUT_S = 10.0  # both transfer engines' and the raw socket's (the transport's default)
-TRANSPORTS = ("shm", "tcp", "nixl") if "nixl" in TRANSPORT_CHOICES else ("shm", "tcp")
 SOCKET_SETUP = (f"wire.tune on both ends: blocking, SO_RCVTIMEO/SO_SNDTIMEO {TIMEOUT_S:g} s, TCP_NODELAY, "
                 f"{wire.SOCKET_BUFFER_BYTES >> 20} MiB buffers")
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------- owner (child) process
-
-
-def owner_main() -> None:
-    setup = json.loads(sys.stdin.buffer.readline())
-    region = MemoryRegion.allocate(setup["num_bytes"])
-    view, got = memoryview(region.buffer), 0
-    while got < len(view):
-        got += sys.stdin.buffer.readinto(view[got:])
-    engine = TransferEngine(timeout_s=TIMEOUT_S, transports=TRANSPORTS)
-    engine.register(region)
-    block_bytes = setup["block_bytes"]
-    ranges = [(i, block_bytes) for i in range(0, setup["num_bytes"], block_bytes)]
-    handle = engine.export(region.region_id, ranges, lease_id="bench")
-    listener = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=serve_raw, args=(listener, memoryview(region.buffer)), daemon=True).start()
-    base = region.buffer.ctypes.data
-    print(OWNER_LINE + json.dumps({"handle": dataclasses.asdict(handle), "base": base,
-                                   "socket_port": listener.getsockname()[1]}), flush=True)
-    # Optional engines start only when asked, after the main columns: their progress threads
-    # would otherwise compete for the same two cores while those are measured.
-    starters = {"mooncake": lambda: mooncake_owner(base, len(view))}
-    for line in sys.stdin.buffer:  # until the parent closes our stdin
-        print(OWNER_LINE + json.dumps(starters[line.decode().strip()]()), flush=True)
-    engine.close()
-    region.close()
-
-
-def serve_raw(listener: socket.socket, data: memoryview) -> None:
-    """Per byte received, send the whole buffer back; one client at a time."""
-    while True:
-        conn, _ = listener.accept()
-        wire.tune(conn, TIMEOUT_S, is_receiver=False)  # as the transport's data server does
-        with conn:
-            while conn.recv(1):
-                conn.sendall(data)
-
-
-def mooncake_owner(base: int, num_bytes: int) -> dict:
-    try:
-        from mooncake.engine import TransferEngine as MooncakeEngine
-        engine = MooncakeEngine()
-        if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-            return {"error": "initialize failed"}
-        if engine.register_memory(base, num_bytes) != 0:
-            return {"error": "register_memory failed"}
-        owner_main.mooncake = engine  # keep it alive for the process's life
-        return {"session": f"127.0.0.1:{engine.get_rpc_port()}"}
-    except Exception as exc:  # optional column: any failure is reported, not fatal
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-# ---------------------------------------------------------------- reader (parent) process
 
 
 def fill_kv_blocks(target_bytes: int, prompt_tokens: int | None) -> tuple[np.ndarray, str]:
@@ -164,7 +105,7 @@ def fill_kv_blocks(target_bytes: int, prompt_tokens: int | None) -> tuple[np.nda
 
 
 def start_owner(blocks: np.ndarray) -> tuple[subprocess.Popen, dict]:
-    child = subprocess.Popen([sys.executable, __file__, "--owner"], stdin=subprocess.PIPE,
+    child = subprocess.Popen([sys.executable, str(OWNER_SCRIPT)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=False)
     setup = {"num_bytes": blocks.nbytes, "block_bytes": blocks.shape[1]}
     child.stdin.write(json.dumps(setup).encode() + b"\n")
@@ -311,16 +252,12 @@ def gbps(num_bytes: int, times: list[float] | None, pick=min) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--owner", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--target-mib", type=float, default=64.0)
     parser.add_argument("--prompt-tokens", type=int, default=None,
                         help="default: enough tokens to fill --target-mib with computed blocks")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 MiB, 2 reps (overrides both)")
     args = parser.parse_args()
-    if args.owner:
-        owner_main()
-        return
     if args.quick:
         args.target_mib, args.reps = 4.0, 2
 

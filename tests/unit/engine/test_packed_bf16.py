@@ -14,7 +14,7 @@ from tests.unit.engine.test_packed_weights import counted
 @pytest.fixture
 def bf16_kernels(kernels):
     if not kernels.packs_bf16:
-        pytest.skip("the bf16 product needs AVX512_BF16 (this CPU or compiler lacks it)")
+        pytest.skip("the bf16 product needs AVX512_BF16 (this CPU, the compiler or the build target lacks it)")
     return kernels
 
 
