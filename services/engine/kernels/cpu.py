@@ -128,17 +128,25 @@ def march() -> str:
     return os.environ.get(MARCH_ENV) or "native"
 
 
+def cpu_flags() -> frozenset[str] | None:
+    """This CPU's feature flags (/proc/cpuinfo's: avx2, avx512f, avx512_bf16...); None where the
+    system does not list them."""
+    lines = [ln for ln in _cpu_identity().splitlines() if ln.startswith("flags")]
+    return frozenset(lines[0].split(":", 1)[1].split()) if lines else None
+
+
 def _missing_features(cc: str, target: str) -> list[str]:
     """The vector extensions the compiler's ``-march=target`` assumes and this CPU lacks (its
     kernels would die of an illegal instruction here): the target's feature macros (``__AVX2__``,
-    ``__AVX512BF16__``...) against /proc/cpuinfo's flags, underscores aside. None on a CPU
-    without /proc/cpuinfo, where nothing can be said."""
-    flags = next((ln.split(":", 1)[1].split() for ln in _cpu_identity().splitlines() if ln.startswith("flags")), None)
+    ``__AVX512BF16__``...) against :func:`cpu_flags`, underscores aside. None where the system
+    lists no flags and nothing can be said."""
+    flags = cpu_flags()
     if flags is None:
         return []
     done = subprocess.run([cc, f"-march={target}", "-dM", "-E", "-"], input="", capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"{MARCH_ENV}={target}: {done.stderr.strip().splitlines()[0][:300]}")
+        said = done.stderr.strip().splitlines() or [f"{cc} exited with {done.returncode}"]
+        raise RuntimeError(f"{MARCH_ENV}={target}: {said[0][:300]}")
     wanted = [w.lower() for w in re.findall(r"#define __((?:AVX|AMX|FMA|F16C|BMI)\w*)__ 1", done.stdout)]
     have = {f.replace("_", "") for f in flags} | ({"bmi"} if "bmi1" in flags else set())  # gcc's __BMI__
     return sorted(w for w in wanted if w.replace("_", "") not in have)

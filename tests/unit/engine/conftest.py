@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
@@ -15,18 +14,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 from services.engine.kernels import cpu
 
 
-
-def _cpu_flags() -> set[str]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    return next((set(ln.split(":", 1)[1].split()) for ln in lines if ln.startswith("flags")), set())
-
-
 # The instruction sets the kernels are tested for: this CPU's own and, on an AVX-512 CPU, AVX2
 # (x86-64-v3) too: its paths (8-float vectors, other tiles, the generic exp) run there as well.
-ISAS = ["native"] + (["x86-64-v3"] if {"avx512f", "avx2", "fma", "bmi2"} <= _cpu_flags() else [])
+ISAS = ["native"] + (["x86-64-v3"] if {"avx512f", "avx2", "fma", "bmi2"} <= (cpu.cpu_flags() or set()) else [])
 
 
 @pytest.fixture(params=ISAS)
