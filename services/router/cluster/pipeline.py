@@ -41,8 +41,7 @@ from services.common.tokenizer import Tokenizer
 from services.common.wire import (DecodeRequest, ImageInput, ModelInfo, PrefillResponse, RequestSpec, TokenChunk,
                                   decode_request_to_proto, model_info_from_proto, prefill_response_from_proto,
                                   spec_to_proto, token_chunk_from_proto)
-from services.pb import common_pb2, decode_pb2_grpc, encoder_pb2_grpc
-from services.pb import prefill_pb2, prefill_pb2_grpc
+from services.pb import common_pb2, decode_pb2_grpc, encoder_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from services.router.cluster.backend import GenerateChunk, GenerateRequest
 from services.router.cluster.encoding import (ENCODER_SKIPS, EmbeddingLeases, ImageMemo, encode, image_block_hashes,
                                               last_image_block, widen)
