@@ -28,6 +28,11 @@ alike; output throughput every output token (the usage chunk's count) over the t
 time. Its prompts are random one-token words of the tokenizer's, drawn with a fixed seed, so
 each encodes to exactly --prompt-tokens tokens. Either way one prompt per request, none repeated
 (the warm-up has its own), and every server counts the chat template's tokens on top (about 30).
+aiperf's concurrency mode issues each request the moment a slot frees by polling its event loop
+without pause: about 0.65 of a core busy for the whole run (1/3 of a 2-core machine, taken from
+the server under test). --aiperf-rate R (``aiperf_rate`` in the JSON) paces it instead
+(--request-rate R, constant, still --concurrency at most in flight: a freed slot waits at most
+1/R s; R = 200 kept the client under 0.1 of a core).
 
 Prefix caching: vLLM's is off. epd's stays at its default, on (each engine's block cache and the
 KV store node): with prompts that differ from their first words only the chat template's system
@@ -49,6 +54,7 @@ with other work, with the load client on the same cores, the figures are indicat
 
     .venv/bin/python benchmarks/serving.py [--requests 48] [--concurrency 8] [--prompt-tokens 256]
         [--output-tokens 64] [--repeats 1] [--no-vllm] [--client auto|own|aiperf] [--epd-args '--prefills 2']
+        [--aiperf-rate 200] [--keep DIR]   # DIR: each run's server logs, aiperf's per-request records
     .venv/bin/python benchmarks/serving.py --quick   # a tiny load, about a minute per server
 """
 
@@ -73,7 +79,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.peers import PEERS_DIR, PeerUnavailable, cpu_info, cpu_ranges, log_tail, usable_cpus  # noqa: E402
+from benchmarks.peers import (PEERS_DIR, PeerUnavailable, cpu_info, cpu_ranges, log_tail, session_pids,  # noqa: E402
+                              usable_cpus)
 from benchmarks.serving_load import (MODEL_NAME, REQUEST_TIMEOUT_S, figures, log, make_prompts,  # noqa: E402
                                      run_load)
 from services.launcher import free_port  # noqa: E402
@@ -87,9 +94,6 @@ EPD_START_TIMEOUT_S = 600.0
 VLLM_START_TIMEOUT_S = 900.0
 """vLLM's CPU set-up (and its first compile) on two busy cores has taken minutes."""
 STOP_GRACE_S = 45.0
-
-
-# ---------------------------------------------------------------- prompts
 
 
 # ---------------------------------------------------------------- servers
@@ -152,21 +156,6 @@ class Server:
         return len(session_pids(session))
 
 
-def session_pids(session_id: int) -> list[int]:
-    """Live (not zombie) processes of a session."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == session_id and fields[0] != "Z":   # fields: state ppid pgrp session
-            pids.append(int(entry.name))
-    return pids
-
-
 def epd_server(workdir: Path, dtype: str, extra_args: str) -> Server:
     port, admin_port = free_port(HOST), free_port(HOST)
     script = Path(sys.executable).with_name("epd")   # the console script; without it, what it runs
@@ -208,6 +197,8 @@ def run_aiperf(server: Server, args: argparse.Namespace, tokenizer_dir: Path, wo
             # one synthetic prompt per request, each used once (shuffled, without replacement)
             "--num-dataset-entries", str(args.requests), "--dataset-sampling-strategy", "shuffle",
             "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry", "--artifact-dir", str(artifacts)]
+    if args.aiperf_rate:   # a new request at most every 1/rate s while a slot is free: no timing loop spinning
+        argv += ["--request-rate", str(args.aiperf_rate), "--arrival-pattern", "constant"]
     client = Server(f"aiperf-{server.name}", argv, dict(os.environ), "", workdir / f"aiperf-{server.name}.log")
     try:
         client.start()
@@ -308,7 +299,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
     prompts = make_prompts(model_dir, args.requests + args.concurrency, args.prompt_tokens, SEED)
     result = {"requests": args.requests, "concurrency": args.concurrency, "prompt_tokens": args.prompt_tokens,
               "output_tokens": args.output_tokens, "client": args.client, "cpus": len(usable_cpus()),
-              "dtype": args.dtype, "epd_args": args.epd_args, "repeats": args.repeats, "cpu": cpu_info()}
+              "dtype": args.dtype, "epd_args": args.epd_args, "repeats": args.repeats, "aiperf_rate": args.aiperf_rate,
+              "cpu": cpu_info()}
     runs: dict[str, list[dict]] = {"epd": [], "vllm": []}
     if args.no_vllm:
         result["vllm_absent"] = "--no-vllm"
@@ -372,6 +364,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="runs of each server, the order alternating; figures are the medians")
     parser.add_argument("--epd-args", default="", help="extra flags for epd up, e.g. '--prefills 2'")
     parser.add_argument("--quick", action="store_true", help="a tiny load (8 requests of 64 + 16 tokens, 4 at a time)")
+    parser.add_argument("--aiperf-rate", type=float, metavar="R",
+                        help="aiperf paces its requests at R per second, still --concurrency at most in flight; "
+                             "unset, its concurrency mode, whose timing loop polls without pause")
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="run in DIR (new or empty) and keep it: the servers' logs, aiperf's per-request records")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.concurrency, args.prompt_tokens, args.output_tokens = 8, 4, 64, 16
@@ -381,11 +378,19 @@ def main(argv: list[str] | None = None) -> None:
         args.client = "aiperf" if AIPERF.exists() else "own"
     if args.client == "aiperf" and not AIPERF.exists():
         parser.error(f"--client aiperf needs {AIPERF}: make bench-peers installs it")
+    if args.aiperf_rate is not None and (args.client != "aiperf" or not args.aiperf_rate > 0):
+        parser.error("--aiperf-rate paces the aiperf client: a rate > 0, with aiperf as the client")
+    if args.keep and args.keep.exists() and (not args.keep.is_dir() or any(args.keep.iterdir())):
+        parser.error(f"--keep {args.keep}: not an empty directory")
     # SIGTERM unwinds like Ctrl-C, so the servers are stopped either way.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        with tempfile.TemporaryDirectory(prefix="serving-bench-") as tmp:
-            result = run(args, Path(tmp))
+        if args.keep:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            result = run(args, args.keep.resolve())
+        else:
+            with tempfile.TemporaryDirectory(prefix="serving-bench-") as tmp:
+                result = run(args, Path(tmp))
     except KeyboardInterrupt:   # the servers are stopped by now
         raise SystemExit("interrupted") from None
     print(json.dumps(result), flush=True)

@@ -77,6 +77,21 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def session_pids(session_id: int) -> list[int]:
+    """Live (not zombie) processes of a session."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session_id and fields[0] != "Z":   # fields: state ppid pgrp session
+            pids.append(int(entry.name))
+    return pids
+
+
 def cpu_info() -> dict:
     """What the figures were taken on: /proc/cpuinfo's model name and SIMD flags (native bf16:
     avx512_bf16 or amx_bf16), its processor count and the cores this process may use."""

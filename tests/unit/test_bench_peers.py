@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.peers import cpu_info, cpu_ranges, start_process, stop_group
-from benchmarks.serving import session_pids as group_members  # a peer leads its own session and group
+from benchmarks.peers import session_pids as group_members  # a peer leads its own session and group
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,9 +1,11 @@
 """benchmarks/serving.py's figures over repeats: counts summed, the rest medians, the ratios from
-the medians and each repeat's own."""
+the medians and each repeat's own; the flags it refuses."""
 
 from __future__ import annotations
 
-from benchmarks.serving import summarize
+import pytest
+
+from benchmarks.serving import main, summarize
 
 
 def one_run(name: str, tok_s: float, ttft_p99: float, itl: float, errors: int = 0) -> dict:
@@ -35,3 +37,15 @@ def test_one_run_or_no_vllm_gives_no_pair_figures():
     assert not any(key.endswith("_runs") for key in alone)
     once = summarize({"epd": [one_run("epd", 60.0, 4000.0, 80.0)], "vllm": [one_run("vllm", 50.0, 5000.0, 160.0)]})
     assert once["throughput_vs_vllm"] == 1.2 and not any(key.endswith("_runs") for key in once)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--client", "own", "--aiperf-rate", "200"], "--aiperf-rate paces the aiperf client"),
+    (["--aiperf-rate", "0"], "--aiperf-rate paces the aiperf client"),
+    (["--keep", "{full}"], "not an empty directory"),
+])
+def test_flags_it_cannot_honour_are_refused_before_any_server_starts(flags, says, tmp_path, capsys):
+    (tmp_path / "left-over").write_text("")
+    with pytest.raises(SystemExit) as exited:
+        main([flag.format(full=tmp_path) for flag in flags])
+    assert exited.value.code == 2 and says in capsys.readouterr().err
