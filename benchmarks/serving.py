@@ -378,8 +378,8 @@ def main(argv: list[str] | None = None) -> None:
         args.client = "aiperf" if AIPERF.exists() else "own"
     if args.client == "aiperf" and not AIPERF.exists():
         parser.error(f"--client aiperf needs {AIPERF}: make bench-peers installs it")
-    if args.aiperf_rate is not None and (args.client != "aiperf" or not args.aiperf_rate > 0):
-        parser.error("--aiperf-rate paces the aiperf client: a rate > 0, with aiperf as the client")
+    if args.aiperf_rate is not None and (args.client != "aiperf" or not 0 < args.aiperf_rate < float("inf")):
+        parser.error("--aiperf-rate paces the aiperf client: a finite rate > 0, with aiperf as the client")
     if args.keep and args.keep.exists() and (not args.keep.is_dir() or any(args.keep.iterdir())):
         parser.error(f"--keep {args.keep}: not an empty directory")
     # SIGTERM unwinds like Ctrl-C, so the servers are stopped either way.

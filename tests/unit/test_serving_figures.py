@@ -42,6 +42,7 @@ def test_one_run_or_no_vllm_gives_no_pair_figures():
 @pytest.mark.parametrize("flags, says", [
     (["--client", "own", "--aiperf-rate", "200"], "--aiperf-rate paces the aiperf client"),
     (["--aiperf-rate", "0"], "--aiperf-rate paces the aiperf client"),
+    (["--aiperf-rate", "inf"], "--aiperf-rate paces the aiperf client"),
     (["--keep", "{full}"], "not an empty directory"),
 ])
 def test_flags_it_cannot_honour_are_refused_before_any_server_starts(flags, says, tmp_path, capsys):
