@@ -98,6 +98,7 @@ class StoreNode:
         self.leases = LeaseTable(ttl_s=layout.lease_ttl_s)
         self._checksums: dict[BlockHash, int] = {}
         self._lock = threading.RLock()
+        self._allocating = threading.Lock()  # held while the tiers are made; not by lookups
         self.num_hits = self.num_misses = 0
         block_bytes = layout.block_bytes or self._block_bytes_on_disk()
         if block_bytes:
@@ -152,9 +153,9 @@ class StoreNode:
         ttl_s = self.retention.ttl_s(request_class)
         if not hashes:
             return PutResult()
+        if self.host is None:
+            self._allocate(source.blocks[0].length)
         with self._lock:
-            if self.host is None:
-                self._allocate(source.blocks[0].length)
             if any(b.length != self.host.block_bytes for b in source.blocks):
                 raise ValueError(f"blocks of this node are {self.host.block_bytes} bytes")
             is_held = self.index.present(hashes)
@@ -232,23 +233,30 @@ class StoreNode:
 
     # ----- internals ---------------------------------------------------------------------------
     def _allocate(self, block_bytes: int) -> None:
-        """Size the tiers for this block size, pre-touch the host pool, rebuild from disk."""
-        layout = self.layout
-        host_blocks = max(1, layout.host_capacity_bytes // block_bytes)
-        self.host = HostTier(block_bytes, host_blocks, self.clock, region_id=f"{self.node_id}-store-{uuid.uuid4().hex[:6]}")
-        self.transfer.register(self.host.region)
-        capacity = host_blocks
-        if layout.disk_dir:
-            disk_blocks = max(1, layout.disk_capacity_bytes // block_bytes)
-            directory = Path(layout.disk_dir) / f"block-{block_bytes}"
-            self.disk = DiskTier(directory, block_bytes, disk_blocks, self.clock)
-            capacity = max(disk_blocks, host_blocks)
-        self.index = self._make_index(capacity)
-        self.index.clear()  # a shared index may remember what this node held before it restarted
-        if self.disk is not None:
-            for block_hash, expires_at, ttl_s in self.disk.entries():
-                for gone in self.index.insert(block_hash, ttl_s, expires_at):
-                    self._drop(gone)
+        """Size the tiers for this block size, pre-touch the host pool, rebuild from disk. Only
+        the rebuild holds the node's lock: a pool of gigabytes takes seconds to touch on a busy
+        machine, and lookups meanwhile answer misses at once instead of missing their deadlines."""
+        with self._allocating:
+            if self.host is not None:  # another Put made them meanwhile
+                return
+            layout = self.layout
+            host_blocks = max(1, layout.host_capacity_bytes // block_bytes)
+            region_id = f"{self.node_id}-store-{uuid.uuid4().hex[:6]}"
+            host = HostTier(block_bytes, host_blocks, self.clock, region_id=region_id)
+            self.transfer.register(host.region)
+            capacity, disk = host_blocks, None
+            if layout.disk_dir:
+                disk_blocks = max(1, layout.disk_capacity_bytes // block_bytes)
+                disk = DiskTier(Path(layout.disk_dir) / f"block-{block_bytes}", block_bytes, disk_blocks, self.clock)
+                capacity = max(disk_blocks, host_blocks)
+            index = self._make_index(capacity)
+            index.clear()  # a shared index may remember what this node held before it restarted
+            with self._lock:
+                self.disk, self.index, self.host = disk, index, host
+                if self.disk is not None:
+                    for block_hash, expires_at, ttl_s in self.disk.entries():
+                        for gone in self.index.insert(block_hash, ttl_s, expires_at):
+                            self._drop(gone)
         logger.info("store node %s: %d host slots, %s, %d blocks rebuilt from disk", self.node_id, host_blocks,
                     f"disk tier in {layout.disk_dir}" if self.disk is not None else "no disk tier", len(self.index))
 

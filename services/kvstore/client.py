@@ -37,7 +37,9 @@ logger = logging.getLogger(__name__)
 
 _DEAD_FOR_S = 1.0
 """How long a node that failed an RPC is skipped; doubled for each further failure in a row
-(up to ``_MAX_DEAD_FOR_S``), so a frozen node costs a request its deadline rarely, not always."""
+(up to ``_MAX_DEAD_FOR_S``), so a frozen node costs a request its deadline rarely, not always.
+Calls in flight together count as one: those sent before the node's last failure was seen
+fail for the same cause, and a burst of them must not skip a node for the longest time."""
 _MAX_DEAD_FOR_S = 30.0
 FAILURES = metrics.counter("epd_kv_store_client_failures", "Store RPCs this instance made that failed (each a "
                            "miss or a skipped write, never a failed request), by method and gRPC status.",
@@ -74,6 +76,7 @@ class StoreClient:
         self._channels: list[grpc.aio.Channel] = []
         self._dead_until: dict[str, float] = {}
         self._num_failures: dict[str, int] = {}  # address -> RPCs failed in a row
+        self._failed_at: dict[str, float] = {}  # address -> when its last counted failure was seen
         self._nodes: dict[str, str] = {}  # node id -> address
         self._nodes_at = float("-inf")
         self._releases: set[asyncio.Task] = set()
@@ -234,18 +237,20 @@ class StoreClient:
     # ----- plumbing ----------------------------------------------------------------------------
     async def _call(self, address: str, method: str, request, timeout_s: float | None = None):
         """One RPC; None (and the node skipped for a while) when it fails."""
+        sent_at = time.monotonic()
         try:
             reply = await getattr(self._stub(address), method)(request, timeout=timeout_s or self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             FAILURES.labels(method, exc.code().name).inc()
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                logger.warning("KV store %s %s failed: %s %s", address, method, exc.code().name, exc.details())
+            elif sent_at >= self._failed_at.get(address, float("-inf")):  # not one of a burst already counted
+                now = self._failed_at[address] = time.monotonic()
                 num_failures = self._num_failures[address] = self._num_failures.get(address, 0) + 1
                 dead_for_s = min(_MAX_DEAD_FOR_S, _DEAD_FOR_S * 2 ** (num_failures - 1))
-                self._dead_until[address] = time.monotonic() + dead_for_s
+                self._dead_until[address] = now + dead_for_s
                 logger.warning("KV store %s %s failed: %s %s; skipped for %.0f s", address, method,
                                exc.code().name, exc.details(), dead_for_s)
-            else:
-                logger.warning("KV store %s %s failed: %s %s", address, method, exc.code().name, exc.details())
             return None
         self._num_failures.pop(address, None)
         return reply

@@ -4,6 +4,7 @@ engine, acquires lend blocks that a real reader reads back; TTL, restart, corrup
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 import pytest
@@ -164,6 +165,38 @@ def test_the_block_size_is_learnt_from_the_first_put(engines, clock):
         writer.handle(range(1)).blocks[0], length=BLOCK // 2),))
     with pytest.raises(ValueError, match="4096 bytes"):
         node.put(HASHES[3:4], odd)
+    node.close()
+
+
+def test_lookups_answer_misses_at_once_while_the_first_put_makes_the_tiers(engines, clock, monkeypatch):
+    """Seen under load: the host pool (a gigabyte) took seconds to touch while the node's lock was
+    held, every lookup meanwhile missed its deadline and the engines skipped the node for 30 s."""
+    import kvstore.store
+
+    touching, go_on = threading.Event(), threading.Event()
+
+    class SlowHostTier(kvstore.store.HostTier):
+        def __init__(self, *args, **kwargs):
+            touching.set()
+            assert go_on.wait(10)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(kvstore.store, "HostTier", SlowHostTier)
+    writer = Writer(engines())
+    node = StoreNode("n", NodeLayout(host_capacity_bytes=16 * BLOCK), engines(), clock=clock)
+    put = threading.Thread(target=node.put, args=(HASHES[:2], writer.handle(range(2))))
+    put.start()
+    try:
+        assert touching.wait(10)
+        answered = []
+        lookup = threading.Thread(target=lambda: answered.append(node.lookup(HASHES[:2])))
+        lookup.start()
+        lookup.join(5)
+        assert answered == [[False, False]] and node.acquire(HASHES[:2]) is None and node.stats().num_blocks == 0
+    finally:
+        go_on.set()
+        put.join(10)
+    assert node.lookup(HASHES[:2]) == [True, True]
     node.close()
 
 
