@@ -23,7 +23,7 @@ import transformers
 
 from services.common.tokenizer import Tokenizer
 from services.encoder.images import decode_data_uri, to_rgb
-from services.router.api.openai_api import chat_prompt
+from services.router.api.prompts import chat_prompt
 from services.router.api.openai_models import ChatMessage
 from tests.cluster import running_cluster
 from tests.llava_factories import NUM_IMAGE_TOKENS, make_tiny_llava_dir, png_data_uri

@@ -39,11 +39,12 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.common.errors import invalid
 from services.router.api import openai_api as api
-from services.router.api import structured
+from services.router.api import prompts, structured
 from services.router.cluster.backend import Backend, GenerateRequest
 from services.router.api.body_checks import MAX_STOP_STRINGS, check_ranges
-from services.router.api.openai_api import Prompt, invalid
+from services.router.api.prompts import Prompt
 from services.router.api.output import OutputText
 from services.router.api.openai_models import (ChatMessage, ContentPart, FunctionCall, ImageURL, MessageToolCall,
                                            RequestBody, SamplingFields)
@@ -128,13 +129,13 @@ def _part(block: ContentBlock, param: str, image_token_id: int | None) -> Conten
     if block.type != "image":
         raise invalid(f"{param}: {block.type!r} blocks are not supported yet (only text and image)", param)
     if image_token_id is None:
-        raise invalid(f"{param}: {api.NO_IMAGES}", param)
+        raise invalid(f"{param}: {prompts.NO_IMAGES}", param)
     source = block.source
     if source is None or source.type != "base64" or not source.media_type or source.data is None:
         raise invalid(f"{param}: only base64 image sources are accepted ({{\"type\": \"base64\", "
                       f"\"media_type\": \"image/png\", \"data\": ...}}); the router fetches URLs only under its "
                       f"--allow-image-urls prefixes", param)
-    url = api.check_image_uri(f"data:{source.media_type};base64,{source.data}", f"{param}.source")
+    url = prompts.check_image_uri(f"data:{source.media_type};base64,{source.data}", f"{param}.source")
     return ContentPart(type="image_url", image_url=ImageURL(url=url))
 
 
@@ -185,8 +186,8 @@ def prompt(body: CountTokensRequest, backend: Backend, model_names: list[str]) -
     api.check_model(body.model, model_names)
     _check_supported(body)
     messages = chat_messages(body, backend.image_token_id)
-    return api.chat_prompt(messages, backend.tokenizer, backend.image_token_id,
-                           anthropic_plan(body.tools, body.tool_choice), backend.max_model_len)
+    return prompts.chat_prompt(messages, backend.tokenizer, backend.image_token_id,
+                               anthropic_plan(body.tools, body.tool_choice), backend.max_model_len)
 
 
 def build(body: MessagesRequest, backend: Backend, model_names: list[str]) -> tuple[GenerateRequest, MessagesFormat]:

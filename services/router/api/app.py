@@ -3,9 +3,10 @@
 One module per protocol (openai_api / openai_models / openai_formats, anthropic_api, responses_api /
 responses_models / responses_format) exposes the same two entry points: ``build(body, backend,
 model_names)`` turns its body into a GenerateRequest plus a format object, and ``error_body`` is
-its error format (from ``services/router/errors.py``); tools.py and structured.py turn tools and
-output formats into a grammar for every protocol; generation.py (with output.py) is the shared
-core that runs any of them, and this module only routes. Life of a request here::
+its error format (from ``services/router/errors.py``); prompts.py builds every protocol's prompt,
+and tools.py and structured.py turn tools and output formats into a grammar for every protocol;
+generation.py (with output.py) is the shared core that runs any of them, and this module only
+routes. Life of a request here::
 
     [CORS: a preflight is answered here] -> [gate: API key, limits, body size]
         -> body (pydantic) -> checks, chat template, token ids (a worker thread) -> GenerateRequest, Format

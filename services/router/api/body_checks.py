@@ -14,7 +14,7 @@ Three passes, each cheap next to what it prevents:
   integer that reaches the wire within its proto type (a seed past int64 once failed the proto
   conversion, a 500), at most ``MAX_STOP_STRINGS`` stop strings and ``MAX_STOP_TOKEN_IDS`` stop ids.
 
-A prompt that cannot fit the context is refused before it is tokenized (openai_api.check_fits).
+A prompt that cannot fit the context is refused before it is tokenized (prompts.check_fits).
 
 Each refusal is a 400 naming the field (``messages[0].content``) in the path's protocol.
 """

@@ -35,13 +35,12 @@ OpenAI's body (the path is not under /v1/messages).
 from __future__ import annotations
 
 import uuid
-from services.common.errors import InvalidRequestError
+from services.common.errors import InvalidRequestError, invalid
 from services.common.sampling_params import SamplingParams
 from services.router.api import openai_api as api
-from services.router.api import structured
+from services.router.api import prompts, structured
 from services.router.cluster.backend import Backend, GenerateRequest
 from services.router.api.body_checks import check_ranges
-from services.router.api.openai_api import invalid
 from services.router.api.openai_models import (ChatMessage, ContentPart, FunctionCall, ImageURL, MessageToolCall,
                                                SamplingFields)
 from services.router.api.responses_models import InputItem, InputPart, ResponsesRequest  # noqa: F401 - the body type
@@ -66,11 +65,11 @@ def _check_supported(body: ResponsesRequest) -> None:
 
 def _image(part: InputPart, param: str, image_token_id: int | None) -> ContentPart:
     if image_token_id is None:
-        raise invalid(f"{param}: {api.NO_IMAGES}", param)
+        raise invalid(f"{param}: {prompts.NO_IMAGES}", param)
     if part.image_url is None:
         raise invalid(f"{param}: an input_image part needs \"image_url\" (a data:image/...;base64 URI; "
                       f"file_id is not supported)", param)
-    url = api.check_image_uri(part.image_url, f"{param}.image_url")
+    url = prompts.check_image_uri(part.image_url, f"{param}.image_url")
     return ContentPart(type="image_url", image_url=ImageURL(url=url))
 
 
@@ -150,7 +149,7 @@ def build(body: ResponsesRequest, backend: Backend,
     check_ranges(fields)  # before the prompt is built: cheap checks first
     tools = responses_plan(body.tools, body.tool_choice)
     messages = chat_messages(body, backend.image_token_id)
-    prompt = api.chat_prompt(messages, backend.tokenizer, backend.image_token_id, tools, backend.max_model_len, "input")
+    prompt = prompts.chat_prompt(messages, backend.tokenizer, backend.image_token_id, tools, backend.max_model_len, "input")
     params = _sampling_params(fields, len(prompt.token_ids), backend.max_model_len, (body.text or {}).get("format"),
                               tools)
     request = api.generate_request(f"resp_{uuid.uuid4().hex}", prompt, params, fields, "chat")

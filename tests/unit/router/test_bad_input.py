@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from services.common.errors import InvalidRequestError, PromptTooLongError
-from services.router.api import openai_api as api
+from services.router.api import prompts
 from services.router.api.body_checks import (MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, MAX_JSON_VALUES, check_json_size,
                                          check_json_text, parse_json_text)
 from services.router.api.openai_models import ChatCompletionRequest, ChatMessage
@@ -79,10 +79,10 @@ def test_a_seed_at_the_edge_of_int64_is_served(client, backend):
 
 def test_token_id_prompts_are_checked_before_they_are_scanned(tokenizer):
     with pytest.raises(PromptTooLongError, match="the prompt is 5000 tokens") as info:
-        api.completion_prompt([BIG] * 5000, tokenizer, max_model_len=2048)
+        prompts.completion_prompt([BIG] * 5000, tokenizer, max_model_len=2048)
     assert (info.value.param, info.value.code) == ("prompt", "context_length_exceeded")
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
-        api.completion_prompt([1, BIG], tokenizer, max_model_len=2048)
+        prompts.completion_prompt([1, BIG], tokenizer, max_model_len=2048)
 
 
 # --- invalid Unicode ----------------------------------------------------------------------------
@@ -170,10 +170,10 @@ def test_a_prompt_that_cannot_fit_is_refused_untokenized(base_url, backend, no_l
 
 def test_a_prompt_that_fits_is_tokenized_exactly_as_before(tokenizer, no_long_encodes):
     messages = [ChatMessage(role="user", content="the quick brown fox " * 50)]
-    exact = api.chat_prompt(messages, tokenizer, None)
-    assert api.chat_prompt(messages, tokenizer, None, max_model_len=len(exact.token_ids) + 1) == exact
+    exact = prompts.chat_prompt(messages, tokenizer, None)
+    assert prompts.chat_prompt(messages, tokenizer, None, max_model_len=len(exact.token_ids) + 1) == exact
     text = "Paris is " * 100
-    assert (api.completion_prompt(text, tokenizer, max_model_len=2048).token_ids
+    assert (prompts.completion_prompt(text, tokenizer, max_model_len=2048).token_ids
             == tuple(tokenizer.encode(text, add_special_tokens=True)))
 
 
@@ -181,9 +181,9 @@ def test_the_bound_counts_every_piece_and_image(tokenizer):
     texts = ["#" * 800, "#" * 800]  # no token holds more than 80 '#': at least 10 tokens each
     assert [tokenizer.min_num_tokens(text) for text in texts] == [10, 10]
     with pytest.raises(PromptTooLongError, match="at least") as info:
-        api.check_fits(tokenizer, texts, 1, 21, "messages")  # and an image
+        prompts.check_fits(tokenizer, texts, 1, 21, "messages")  # and an image
     assert str(info.value).startswith("the prompt is at least 21 tokens")
-    api.check_fits(tokenizer, texts, 0, 21, "messages")  # 20 tokens: fits
+    prompts.check_fits(tokenizer, texts, 0, 21, "messages")  # 20 tokens: fits
 
 
 # --- the body's size and shape ------------------------------------------------------------------

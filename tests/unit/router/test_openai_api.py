@@ -10,6 +10,7 @@ import pytest
 from services.common.errors import InvalidRequestError, PromptTooLongError, UnavailableError
 from services.common.sampling_params import SamplingParams
 from services.router.api import openai_api as api
+from services.router.api import prompts
 from services.router.cluster.backend import GenerateChunk, GenerateRequest
 from services.router.api.app import describe_validation_errors
 from services.router.api.openai_models import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -24,7 +25,7 @@ def chat(**fields) -> ChatCompletionRequest:
 
 def test_chat_prompt_is_the_template_encoded(tokenizer):
     messages = [ChatMessage(role="developer", content="Be brief."), ChatMessage(role="user", content="Hi")]
-    prompt = api.chat_prompt(messages, tokenizer, image_token_id=None)
+    prompt = prompts.chat_prompt(messages, tokenizer, image_token_id=None)
     text = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
                                           {"role": "user", "content": "Hi"}])
     assert prompt.token_ids == tuple(tokenizer.encode(text))
@@ -37,7 +38,7 @@ def test_text_parts_join_with_newlines(tokenizer):
     parts = ChatMessage.model_validate({"role": "user", "content": [{"type": "text", "text": "a"},
                                                                     {"type": "text", "text": "b"}]})
     plain = ChatMessage(role="user", content="a\nb")
-    assert api.chat_prompt([parts], tokenizer, None) == api.chat_prompt([plain], tokenizer, None)
+    assert prompts.chat_prompt([parts], tokenizer, None) == prompts.chat_prompt([plain], tokenizer, None)
 
 
 def test_each_image_is_one_placeholder(tokenizer):
@@ -45,7 +46,7 @@ def test_each_image_is_one_placeholder(tokenizer):
     message = ChatMessage.model_validate({"role": "user", "content": [
         {"type": "text", "text": "Compare"}, {"type": "image_url", "image_url": {"url": PNG}},
         {"type": "text", "text": "with"}, {"type": "image_url", "image_url": {"url": PNG}}]})
-    prompt = api.chat_prompt([message], tokenizer, image_id)
+    prompt = prompts.chat_prompt([message], tokenizer, image_id)
     assert prompt.images == (PNG, PNG)
     assert prompt.token_ids.count(image_id) == 2
     assert [prompt.token_ids[p] for p in prompt.image_positions] == [image_id, image_id]
@@ -65,27 +66,27 @@ def test_bad_content_is_rejected(tokenizer, content, image_id, message):
         image_id = tokenizer.backend.token_to_id(image_id)
     msg = ChatMessage.model_validate({"role": "user", "content": content})
     with pytest.raises(InvalidRequestError, match=message):
-        api.chat_prompt([msg], tokenizer, image_id)
+        prompts.chat_prompt([msg], tokenizer, image_id)
 
 
 def test_unknown_role_is_named(tokenizer):
     with pytest.raises(InvalidRequestError, match=r"messages\[1\]\.role 'robot'") as info:
-        api.chat_prompt([ChatMessage(role="user", content="a"), ChatMessage(role="robot", content="b")],
+        prompts.chat_prompt([ChatMessage(role="user", content="a"), ChatMessage(role="robot", content="b")],
                         tokenizer, None)
     assert info.value.param == "messages[1].role"
 
 
 def test_completion_prompts(tokenizer):
     ids = tuple(tokenizer.encode("Hello world", add_special_tokens=True))
-    assert api.completion_prompt("Hello world", tokenizer).token_ids == ids
-    assert api.completion_prompt(["Hello world"], tokenizer).token_ids == ids
-    assert api.completion_prompt([[1, 2, 3]], tokenizer).token_ids == (1, 2, 3)
+    assert prompts.completion_prompt("Hello world", tokenizer).token_ids == ids
+    assert prompts.completion_prompt(["Hello world"], tokenizer).token_ids == ids
+    assert prompts.completion_prompt([[1, 2, 3]], tokenizer).token_ids == (1, 2, 3)
     with pytest.raises(InvalidRequestError, match="2 prompts"):
-        api.completion_prompt(["a", "b"], tokenizer)
+        prompts.completion_prompt(["a", "b"], tokenizer)
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
-        api.completion_prompt([1, tokenizer.vocab_size], tokenizer)
+        prompts.completion_prompt([1, tokenizer.vocab_size], tokenizer)
     with pytest.raises(InvalidRequestError, match="must not be empty"):
-        api.completion_prompt([], tokenizer)
+        prompts.completion_prompt([], tokenizer)
 
 
 def test_max_tokens_defaults_to_the_rest_of_the_context():
