@@ -9,6 +9,7 @@ The owner calls ``expire()`` periodically; the clock is injectable so tests move
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
@@ -66,6 +67,12 @@ class LeaseTable:
         with self._lock:
             lease_ids = list(self._leases)
         return sum(self.release(lease_id) for lease_id in lease_ids)
+
+    async def until_empty(self, poll_s: float = 0.02) -> None:
+        """Return once every lease has ended (released or expired): a drain waits here for the
+        readers of what its process lent."""
+        while self._leases:
+            await asyncio.sleep(poll_s)
 
     def __len__(self) -> int:
         return len(self._leases)

@@ -5,8 +5,9 @@ Life cycle of a server process::
     serve()  bind gRPC port ─ start /metrics ─ health SERVING ─ ready(port, metrics_port)
        │ SIGTERM / SIGINT
        ▼
-    drain    new RPCs → UNAVAILABLE "draining" ─ health NOT_SERVING ─ on_drain()
-       │     ─ wait for in-flight RPCs (at most drain_timeout_s) ─ stop ─ return 0
+    drain    new RPCs → UNAVAILABLE "draining" (Release RPCs still served) ─ health NOT_SERVING
+       │     ─ on_drain() ─ wait for in-flight RPCs (load watches are not) ─ until_settled()
+       │     (both within drain_timeout_s) ─ stop ─ return 0
        │ a second signal: stop now, return 0
        │ a background task dies (dead engine): stop now, return 1
 
@@ -37,8 +38,7 @@ import inspect
 import logging
 import signal
 import threading
-from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -52,7 +52,6 @@ from services.common import metrics
 from services.common.config import check
 from services.common.errors import EPDError, UnavailableError
 from services.common.grpc_errors import abort_with, error_from_rpc
-from services.common.wire import LoadReport, load_to_proto, model_info_to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +64,11 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 apart (gRPC's default back-off grows to two minutes: a peer restarted after a crash would be
 taken back seconds late)."""
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
+_WATCH_SUFFIX = "/WatchLoad"
+"""Not work a drain waits for (else every drain ran to its timeout): a load watch lasts as long as
+its watcher, a router; it reports on while the instance drains, and the stop cuts it."""
+_RELEASE_SUFFIX = "/Release"
+"""Served while draining: a Release ends work already in flight (KV or rows lent under a lease)."""
 _STOP_GRACE_S = 1.0
 """server.stop()'s grace once our own drain is done: time to flush the last responses."""
 
@@ -100,16 +104,18 @@ class ServerOptions:
         return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
 
-
 async def serve(add_servicers: Callable[[grpc.aio.Server], None], options: ServerOptions,
                 service_name: str, *, on_drain: Callable[[], Awaitable[None]] | None = None,
+                until_settled: Callable[[], Awaitable[None]] | None = None,
                 ready: Callable[[int, int | None], None] | None = None,
                 background: Sequence[Coroutine[Any, Any, None]] = ()) -> int:
     """Serve until a signal; return the process exit code (0: asked to stop, 1: fatal).
 
     ``add_servicers(server)`` registers the service's servicers. ``on_drain()`` runs once draining
     starts, before in-flight RPCs are waited for: stop taking new work there (the engine keeps
-    running for the RPCs in flight). ``ready(port, metrics_port)`` gets the bound ports (0 resolved;
+    running for the RPCs in flight). ``until_settled()`` is awaited once they have ended: work that
+    outlives its RPC (KV or rows lent under leases until their readers release them), within the
+    same drain_timeout_s. ``ready(port, metrics_port)`` gets the bound ports (0 resolved;
     metrics_port None when disabled). ``background`` coroutines (an engine loop) run alongside and
     are cancelled at the end; one that ends first is fatal: the server stops and serve returns 1.
     """
@@ -131,7 +137,7 @@ async def serve(add_servicers: Callable[[grpc.aio.Server], None], options: Serve
         await server.stop(None)
         return 1
     metrics_port = None if httpd is None else httpd.server_port
-    running = _Running(server, health, drain, options, on_drain)
+    running = _Running(server, health, drain, options, on_drain, until_settled)
     tasks: list[asyncio.Task[None]] = []
     try:
         await server.start()
@@ -164,6 +170,7 @@ class _Running:
     drain: _Drain
     options: ServerOptions
     on_drain: Callable[[], Awaitable[None]] | None
+    until_settled: Callable[[], Awaitable[None]] | None
     signals: _Signals = field(default_factory=lambda: _Signals())
 
     async def until_stopped(self, tasks: list[asyncio.Task[None]]) -> int:
@@ -207,6 +214,11 @@ class _Running:
                 exit_code = 1
         if not await self.drain.wait_idle(max(0.0, deadline - loop.time())):
             logger.warning("drain timed out: cutting %d RPCs in flight", self.drain.num_in_flight)
+        elif self.until_settled is not None:
+            try:
+                await asyncio.wait_for(self.until_settled(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                logger.warning("drain timed out: stopping with work lent out (its leases end with the process)")
         await self.server.stop(_STOP_GRACE_S)
         return exit_code
 
@@ -290,8 +302,9 @@ class _Interceptor(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith(_HEALTH_PREFIX):
             return handler
         attr, make = _KINDS[(handler.request_streaming, handler.response_streaming)]
-        behaviour = _refuse if self._drain.is_draining else _guarded(getattr(handler, attr),
-                                                                    self._drain)
+        track = contextlib.nullcontext if details.method.endswith(_WATCH_SUFFIX) else self._drain.track
+        is_refused = self._drain.is_draining and not details.method.endswith(_RELEASE_SUFFIX)
+        behaviour = _refuse if is_refused else _guarded(getattr(handler, attr), track)
         return make(behaviour, request_deserializer=handler.request_deserializer,
                     response_serializer=handler.response_serializer)
 
@@ -300,11 +313,11 @@ async def _refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
     await abort_with(context, UnavailableError("draining"))
 
 
-def _guarded(method: Callable[..., Any], drain: _Drain) -> Callable[..., Any]:
-    """``method`` counted in flight, its errors turned into statuses; same sync/stream shape."""
+def _guarded(method: Callable[..., Any], track: Callable[[], contextlib.AbstractContextManager]) -> Callable[..., Any]:
+    """``method`` inside ``track()`` (in flight or not), errors turned into statuses; same shape."""
     if inspect.isasyncgenfunction(method):
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            with drain.track():
+            with track():
                 try:
                     async with contextlib.aclosing(method(request, context)) as responses:
                         async for response in responses:
@@ -316,7 +329,7 @@ def _guarded(method: Callable[..., Any], drain: _Drain) -> Callable[..., Any]:
         return stream
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        with drain.track():
+        with track():
             try:
                 result = method(request, context)
                 return await result if inspect.isawaitable(result) else result
@@ -338,42 +351,6 @@ async def _abort_for(context: grpc.aio.ServicerContext, error: Exception,
                         f"internal error: {type(error).__name__}: {error}")
 
 
-async def watch_load(report: Callable[[], Any], to_proto: Callable[[Any], Any], interval_s: float,
-                     default_interval_s: float = 0.5) -> AsyncIterator[Any]:
-    """A WatchLoad RPC's body: the instance's load report now and then every ``interval_s``."""
-    while True:
-        yield to_proto(report())
-        await asyncio.sleep(interval_s or default_interval_s)
-
-
-class LoadRpcs(ABC):
-    """GetLoad and WatchLoad, served the same way by every instance: a servicer mixes this in
-    (before its generated base) and gives its ``load_report()``."""
-
-    @abstractmethod
-    def load_report(self) -> LoadReport:
-        """The instance's load now."""
-
-    async def GetLoad(self, request, context):
-        return load_to_proto(self.load_report())
-
-    async def WatchLoad(self, request, context):
-        async for report in watch_load(self.load_report, load_to_proto, request.interval_s):
-            yield report
-
-
-class EngineRpcs(LoadRpcs):
-    """The instance RPCs of an engine service's servicer over its ``worker`` (prefill, decode)."""
-
-    worker: Any
-
-    def load_report(self) -> LoadReport:
-        return self.worker.load_report()
-
-    async def GetModelInfo(self, request, context):
-        return model_info_to_proto(self.worker.instance.model_info())
-
-
 async def check_health(address: str, service_name: str = "", timeout_s: float = 1.0) -> str | None:
     """The health status name ("SERVING", "NOT_SERVING", ...), or None if the call failed."""
     async with grpc.aio.insecure_channel(address) as channel:
@@ -386,10 +363,8 @@ async def check_health(address: str, service_name: str = "", timeout_s: float = 
 
 
 async def wait_for_health(address: str, service_name: str = "", timeout_s: float = 30.0) -> bool:
-    """Poll until ``address`` reports ``service_name`` SERVING; False after ``timeout_s``.
-
-    A poll for readiness, not a retry of failed work, so it does not go through retry.py.
-    """
+    """Poll until ``address`` reports ``service_name`` SERVING; False after ``timeout_s`` (a poll
+    for readiness, not a retry of failed work, so it does not go through retry.py)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while (remaining := deadline - loop.time()) > 0:

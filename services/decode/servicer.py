@@ -9,7 +9,8 @@ from typing import TypeVar
 
 import grpc.aio
 
-from services.common.server import CHANNEL_OPTIONS, EngineRpcs
+from services.common.instance_rpcs import EngineRpcs
+from services.common.server import CHANNEL_OPTIONS
 from services.common.wire import TokenChunk, decode_request_from_proto, token_chunk_to_proto
 from services.decode.worker import DecodeWorker
 from services.pb import decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc

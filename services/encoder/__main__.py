@@ -58,7 +58,8 @@ async def run(config: EncoderConfig) -> int:
     try:
         return await serve(lambda server: encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server),
                            ServerOptions.from_config(config), "epd.v1.Encoder",
-                           background=[exporter.expire_leases()] if exporter is not None else [])
+                           background=[exporter.expire_leases()] if exporter is not None else [],
+                           until_settled=exporter.leases.until_empty if exporter is not None else None)
     finally:
         if exporter is not None:
             exporter.close()

@@ -19,7 +19,7 @@ import torch
 from services.common import metrics
 from services.common.errors import InvalidRequestError
 from services.common.metrics import restart_count
-from services.common.server import LoadRpcs
+from services.common.instance_rpcs import LoadRpcs
 from services.common.wire import EncodedImage, LoadReport, RemoteEmbeddings, TensorBytes, encoded_image_to_proto
 from services.encoder.cache import Entry
 from services.encoder.export import EmbeddingExporter

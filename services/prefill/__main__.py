@@ -26,7 +26,8 @@ async def run(config: PrefillConfig) -> int:
     instance = EngineInstance(config, "prefill")
     worker = PrefillWorker(instance, lease_ttl_s=config.lease_ttl_s)
     return await serve_instance(instance, config, worker, lambda server: add_to_server(server, worker),
-                                "epd.v1.Prefill", background=(worker.expire_leases(),))
+                                "epd.v1.Prefill", background=(worker.expire_leases(),),
+                                until_settled=worker.leases.until_empty)
 
 
 def main(argv: list[str] | None = None) -> int:

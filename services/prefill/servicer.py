@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.common.server import EngineRpcs
+from services.common.instance_rpcs import EngineRpcs
 from services.common.wire import prefill_response_to_proto, spec_from_proto
 from services.pb import prefill_pb2, prefill_pb2_grpc
 from services.prefill.worker import PrefillWorker

@@ -1,13 +1,20 @@
 """Graceful drain: a decode instance told to stop (SIGTERM) finishes the stream it serves, takes
-no new work (the router sends it elsewhere), and exits 0."""
+no new work (the router sends it elsewhere), and exits 0; a prefill instance waits until the KV it
+lent is released (serving the Release), then exits 0. Neither waits for the router's load watch."""
 
 from __future__ import annotations
 
 import json
 import signal
+import time
 
+import grpc
 import httpx
+import pytest
 
+from services.common.sampling_params import SamplingParams
+from services.common.wire import RequestSpec, spec_to_proto
+from services.pb import prefill_pb2, prefill_pb2_grpc
 from tests.cluster import running_cluster
 from tests.factories import random_prompts
 
@@ -38,4 +45,29 @@ def test_sigterm_drains_a_decode_instance(tiny_chat_model_dir):
         # The stream it was serving ran to its end.
         assert events[-1]["usage"]["completion_tokens"] == 1000
         assert events[-2]["choices"][0]["finish_reason"] == "length"
-        assert draining.process.wait(timeout=30) == 0
+        # Well inside its drain_timeout_s (30 s): the router's load watch did not hold the drain.
+        assert draining.process.wait(timeout=20) == 0
+
+
+def test_a_draining_prefill_serves_the_release_of_its_lent_kv_and_then_exits(tiny_chat_model_dir):
+    with running_cluster(str(tiny_chat_model_dir), encoders=0, prefills=1, decodes=1,
+                         kv_cache_gib=0.05, device="cpu") as cluster:
+        prefill = next(c for c in cluster.cluster.children if c.name.startswith("prefill"))
+        spec = RequestSpec("lent-kv", tuple(random_prompts(1, [40], vocab=49152, seed=4)[0]),
+                           SamplingParams(max_tokens=8, ignore_eos=True))
+        with grpc.insecure_channel(prefill.address) as channel:
+            stub = prefill_pb2_grpc.PrefillStub(channel)
+            reply = stub.Prefill(prefill_pb2.PrefillRequest(spec=spec_to_proto(spec)), timeout=60)
+            assert reply.kv.lease_id  # as the router hands it to a decode instance
+            prefill.process.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as refused:  # draining: no new work (soon after the signal)
+                for _ in range(500):
+                    stub.Prefill(prefill_pb2.PrefillRequest(spec=spec_to_proto(spec)), timeout=60)
+                    time.sleep(0.01)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            time.sleep(0.5)
+            assert prefill.process.poll() is None  # still up: its lent KV has not been taken
+            released = stub.Release(prefill_pb2.ReleaseRequest(lease_id=reply.kv.lease_id), timeout=10)
+            assert released.released
+        # Well inside its drain_timeout_s and lease TTL (30 s each): the release let it go.
+        assert prefill.process.wait(timeout=20) == 0

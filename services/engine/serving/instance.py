@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,9 +185,11 @@ class EngineInstance:
 
 async def serve_instance(instance: EngineInstance, config: ServingConfig, worker,
                          add_servicers: Callable[[Any], None], service_name: str,
-                         background: tuple[Coroutine, ...] = ()) -> int:
+                         background: tuple[Coroutine, ...] = (),
+                         until_settled: Callable[[], Awaitable[None]] | None = None) -> int:
     """Run an engine service until it is told to stop: the engine thread, the gRPC server (on
-    drain the worker stops taking requests), and the watch that exits when the engine dies."""
+    drain the worker stops taking requests, and ``until_settled`` waits for what it lent), and
+    the watch that exits when the engine dies."""
     instance.start()
 
     async def on_drain() -> None:
@@ -195,7 +197,7 @@ async def serve_instance(instance: EngineInstance, config: ServingConfig, worker
 
     try:
         return await serve(add_servicers, ServerOptions.from_config(config), service_name, on_drain=on_drain,
-                           background=[*background, instance.watch_engine()])
+                           until_settled=until_settled, background=[*background, instance.watch_engine()])
     finally:
         await instance.close()
 

@@ -24,7 +24,8 @@ from services.common.config import ConfigError, check, parse_config
 from services.common.errors import (EPDError, InvalidRequestError, PromptTooLongError,
                                     UnavailableError)
 from services.common.grpc_errors import ERROR_CLASS_KEY, error_from_rpc
-from services.common.server import LoadRpcs, ServerOptions, check_health, serve, wait_for_health
+from services.common.instance_rpcs import LoadRpcs
+from services.common.server import ServerOptions, check_health, serve, wait_for_health
 from services.common.wire import LoadReport, load_from_proto
 from services.pb import common_pb2
 
@@ -55,12 +56,21 @@ async def _stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIte
     raise InvalidRequestError("bad after one")
 
 
+async def _watch(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    """Reports every 10 ms for as long as the caller listens, as a router's load watch does."""
+    while True:
+        yield b"report"
+        await asyncio.sleep(0.01)
+
+
 def add_demo(server: grpc.aio.Server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
         "Slow": grpc.unary_unary_rpc_method_handler(_slow),
         "Echo": grpc.unary_unary_rpc_method_handler(lambda request, context: request),
+        "Release": grpc.unary_unary_rpc_method_handler(lambda request, context: request),
         "Raise": grpc.unary_unary_rpc_method_handler(_raise),
         "Stream": grpc.unary_stream_rpc_method_handler(_stream),
+        "WatchLoad": grpc.unary_stream_rpc_method_handler(_watch),
     }),))
 
 
@@ -285,6 +295,8 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(demo_process):
             await call(demo_process.address, "Echo", b"late")
         assert (info.value.code(), info.value.details()) == (UNAVAILABLE, "draining")
         assert type(error_from_rpc(info.value)) is UnavailableError
+        # A Release ends work already lent out (KV under a lease): still served.
+        assert await call(demo_process.address, "Release", b"lease-1") == b"lease-1"
         async with grpc.aio.insecure_channel(demo_process.address) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 async for _ in channel.unary_stream(f"/{SERVICE}/Stream")(b"", timeout=10):
@@ -298,6 +310,30 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(demo_process):
     out, _ = demo_process.proc.communicate(timeout=20)
     assert demo_process.proc.returncode == 0
     assert "DRAINING" in out
+
+
+def test_a_load_watch_reports_through_the_drain_without_holding_it(demo_process):
+    """A router watches every instance for as long as both live: the drain goes on without
+    waiting for that stream (it once ran to its 30 s timeout on every SIGTERM), and the watch
+    goes on reporting while the last request ends."""
+    async def scenario() -> None:
+        assert await wait_for_health(demo_process.address, SERVICE, timeout_s=10)
+        async with grpc.aio.insecure_channel(demo_process.address) as channel:
+            watch = channel.unary_stream(f"/{SERVICE}/WatchLoad")(b"")
+            assert await watch.read() == b"report"
+            slow = await demo_process.start_slow_call()
+            demo_process.proc.send_signal(signal.SIGTERM)
+            await until_health(demo_process.address, "NOT_SERVING")
+            assert await watch.read() == b"report"  # while the slow call drains
+            demo_process.release.touch()
+            assert await slow == b"done"
+            with pytest.raises(grpc.aio.AioRpcError):  # the stop cuts it
+                while await watch.read() == b"report":
+                    pass
+
+    asyncio.run(scenario())
+    # Well inside the server's drain_timeout_s (30 s): the watch did not hold the drain.
+    assert demo_process.proc.wait(timeout=15) == 0
 
 
 def test_second_signal_stops_at_once(demo_process):

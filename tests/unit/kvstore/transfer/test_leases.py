@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from kvstore.transfer import LeaseTable
@@ -41,3 +43,23 @@ def test_duplicate_lease_id_is_a_bug():
 def test_generated_ids_are_unique():
     leases = LeaseTable()
     assert len({leases.grant(lambda: None) for _ in range(100)}) == 100
+
+
+def test_until_empty_waits_for_the_last_lease_to_end():
+    clock = ManualClock()
+    leases = LeaseTable(ttl_s=5.0, clock=clock)
+    leases.grant(lambda: None, "a")
+    leases.grant(lambda: None, "b")
+
+    async def main() -> None:
+        waiting = asyncio.ensure_future(leases.until_empty(poll_s=0.001))
+        await asyncio.sleep(0.02)
+        assert not waiting.done()
+        leases.release("a")
+        await asyncio.sleep(0.02)
+        assert not waiting.done()  # b is still lent
+        clock.now += 5
+        assert leases.expire() == ["b"]
+        await asyncio.wait_for(waiting, 5)
+
+    asyncio.run(main())
