@@ -29,7 +29,7 @@ async def run(config: DecodeConfig) -> int:
     try:
         return await serve_instance(instance, config, worker,
                                     lambda server: add_to_server(server, worker, config.heartbeat_s),
-                                    "epd.v1.Decode")
+                                    "epd.v1.Decode", until_settled=worker.until_released)
     finally:
         await releaser.close()
 

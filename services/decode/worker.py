@@ -180,6 +180,11 @@ class DecodeWorker:
         TRANSFER_BYTES.labels(seam.transport_for(wanted)).inc(wanted.num_bytes)
         return True
 
+    async def until_released(self) -> None:
+        """Once the releases sent so far have ended: a drain lets them reach their prefill
+        instances (each would otherwise hold its KV, and its own drain, until the lease expires)."""
+        await asyncio.gather(*self._releases, return_exceptions=True)
+
     async def _release(self, prefill_address: str, lease_id: str) -> None:
         try:
             await self.release_lease(prefill_address, lease_id)

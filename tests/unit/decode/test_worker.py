@@ -50,7 +50,7 @@ async def disaggregated(model: str, prompt: list[int], damage=None, transport: s
             chunks = [c async for c in decode.generate(DecodeRequest(
                 RequestSpec("r", tuple(prompt), PARAMS), (first.first_token_id,), first.kv, 0, "unused"))]
         finally:
-            await asyncio.sleep(0.05)  # the lease release runs as a task
+            await decode.until_released()  # the lease release runs as a task (a drain waits for it)
             assert len(prefill.leases) == 0
         assert len(prefill.leases) == 0
         for worker in (prefill, decode):
