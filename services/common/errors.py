@@ -14,6 +14,7 @@ InvalidRequestError        400          INVALID_ARGUMENT     no
 PromptTooLongError         400          INVALID_ARGUMENT     no
 ModelNotFoundError         404          NOT_FOUND            no
 UnavailableError           503          UNAVAILABLE          yes
+DrainingError              503          UNAVAILABLE          yes (elsewhere; not a fault)
 DeadlineExceededError      504          DEADLINE_EXCEEDED    no
 KVLoadError                500          INTERNAL             no
 EmbeddingsMissingError     503          UNAVAILABLE          yes (with the images encoded)
@@ -68,6 +69,11 @@ class UnavailableError(EPDError):
     http_status = 503
     grpc_status = "UNAVAILABLE"
     retryable = True
+
+
+class DrainingError(UnavailableError):
+    """The instance was told to stop and takes no new work (what it runs goes on): a planned
+    step, not a fault. The router sends the request elsewhere without counting a failure."""
 
 
 class DeadlineExceededError(EPDError):

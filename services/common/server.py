@@ -50,7 +50,7 @@ from prometheus_client import start_http_server
 
 from services.common import metrics
 from services.common.config import check
-from services.common.errors import EPDError, UnavailableError
+from services.common.errors import DrainingError, EPDError
 from services.common.grpc_errors import abort_with, error_from_rpc
 
 logger = logging.getLogger(__name__)
@@ -310,7 +310,7 @@ class _Interceptor(grpc.aio.ServerInterceptor):
 
 
 async def _refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-    await abort_with(context, UnavailableError("draining"))
+    await abort_with(context, DrainingError("draining"))
 
 
 def _guarded(method: Callable[..., Any], track: Callable[[], contextlib.AbstractContextManager]) -> Callable[..., Any]:

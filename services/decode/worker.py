@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from kvstore.transfer.descriptors import KVHandle
 from services.common import metrics
-from services.common.errors import EmbeddingsMissingError, KVLoadError, UnavailableError
+from services.common.errors import DrainingError, EmbeddingsMissingError, KVLoadError
 from services.common.wire import DecodeRequest, LoadReport, RequestSpec, TokenChunk
 from services.engine.serving.embeddings import image_inputs, pin_cached_prefix, rows_missing_end, unpin
 from services.engine.serving.instance import EngineInstance
@@ -73,7 +73,7 @@ class DecodeWorker:
 
     async def generate(self, req: DecodeRequest) -> AsyncIterator[TokenChunk]:
         if self.is_draining:
-            raise UnavailableError("this decode instance is draining")
+            raise DrainingError("this decode instance is draining")
         spec, seam, store = req.spec, self.instance.seam, self.instance.store
         rid = spec.request_id
         images = await image_inputs(spec, self.instance.transfer, self.instance.llm.model_config.hidden_size)

@@ -40,7 +40,7 @@ import dataclasses
 import logging
 
 from kvstore.transfer.leases import LeaseTable
-from services.common.errors import EmbeddingsMissingError, UnavailableError
+from services.common.errors import DrainingError, EmbeddingsMissingError
 from services.common.wire import LoadReport, PrefillResponse, RequestSpec
 from services.engine.seams import Handoff
 from services.engine.serving.embeddings import image_inputs, pin_cached_prefix, rows_missing_end, unpin
@@ -60,7 +60,7 @@ class PrefillWorker:
 
     async def prefill(self, spec: RequestSpec) -> PrefillResponse:
         if self.is_draining:
-            raise UnavailableError("this prefill instance is draining")
+            raise DrainingError("this prefill instance is draining")
         self._is_released_early[spec.request_id] = False
         try:
             return await self._prefill(spec)

@@ -40,6 +40,9 @@ def test_sigterm_drains_a_decode_instance(tiny_chat_model_dir):
                 "model": "tiny-chat0", "prompt": "Hello", "max_tokens": 3}) for _ in range(4)]
             assert [r.status_code for r in others] == [200] * 4
             assert cluster.metric(other, "epd_kv_transfers_total") == taken_before + 4
+            # One sent there before the router heard it drains is refused and moves on, as a
+            # drain (planned), never as a broken stream.
+            assert cluster.metric("router", "epd_router_migrations_total", reason="broken") == 0
             events = [json.loads(line.removeprefix("data: ")) for line in lines
                       if line.startswith("data: {")]
         # The stream it was serving ran to its end.

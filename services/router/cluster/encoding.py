@@ -169,7 +169,7 @@ async def encode(encoders: InstancePool, request: GenerateRequest, leases: Embed
         except grpc.aio.AioRpcError as exc:
             error = error_from_rpc(exc)
             if error.retryable or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                encoders.failed(instance)
+                encoders.failed(instance, error)
                 failed.append(instance.address)
             raise error from exc
         encoders.succeeded(instance)

@@ -38,7 +38,7 @@ import grpc.aio
 
 from services.common import metrics
 from services.common.cost_model import PrefillCost
-from services.common.errors import UnavailableError
+from services.common.errors import DrainingError, EPDError, UnavailableError
 from services.common.server import CHANNEL_OPTIONS
 from services.common.wire import load_from_proto
 from services.pb import common_pb2
@@ -217,9 +217,14 @@ class InstancePool(Generic[S]):
         self.placer.mark_unavailable(instance)
         self.dispatch()
 
-    def failed(self, instance: Instance[S]) -> None:
+    def failed(self, instance: Instance[S], error: EPDError | None = None) -> None:
         """A request failed on it (unavailable, broken or silent): no new work until it reports
-        again, and after ``eject_after`` in a row, none for a back-off whatever it reports."""
+        again, and after ``eject_after`` in a row, none for a back-off whatever it reports. A
+        refusal because it drains (``error`` a DrainingError) is no fault: no new work until its
+        report, which soon says it drains, and nothing counted toward an ejection."""
+        if isinstance(error, DrainingError):
+            self.mark_unavailable(instance)
+            return
         eject_s = self.placer.failed(instance)
         if eject_s is not None:
             EJECTIONS.labels(self.role).inc()

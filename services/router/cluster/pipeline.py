@@ -34,7 +34,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from kvstore.hashing import root_hash
 from services.common import metrics
-from services.common.errors import EmbeddingsMissingError, EPDError, UnavailableError
+from services.common.errors import DrainingError, EmbeddingsMissingError, EPDError, UnavailableError
 from services.common.grpc_errors import error_from_rpc
 from services.common.retry import is_retryable, retry
 from services.common.tokenizer import Tokenizer
@@ -54,10 +54,10 @@ logger = logging.getLogger(__name__)
 
 
 MIGRATIONS = metrics.counter(
-    "epd_router_migrations", "Decode streams moved mid-request to another decode instance, by why (broken: "
-    "the stream failed; silent: nothing, not even a heartbeat, within the idle deadline) and outcome "
-    "(moved: sent on with every token so far; gave_up: the migration limit was reached or no instance "
-    "was left, and the request failed).", ["reason", "outcome"])
+    "epd_router_migrations", "Decode streams moved mid-request to another decode instance, by why (broken: the "
+    "stream failed; silent: nothing, not even a heartbeat, within the idle deadline; draining: the instance "
+    "refused it, told to stop) and outcome (moved: sent on with every token so far; gave_up: the migration "
+    "limit was reached or no instance was left, and the request failed).", ["reason", "outcome"])
 
 
 _WAIT_FOR_DECODE_S = 0.1
@@ -249,17 +249,17 @@ class ClusterBackend:
                                        "without a finish_reason")
             except UnavailableError as exc:
                 if not isinstance(exc, EmbeddingsMissingError):  # that one only lacked the rows
-                    self.decodes.failed(instance)
+                    self.decodes.failed(instance, exc)
                 failed.append(instance.address)
-                reason = "silent" if isinstance(exc, StreamSilent) else "broken"
+                reason = "silent" if isinstance(exc, StreamSilent) else "draining" if isinstance(exc, DrainingError) else "broken"
                 await handover.release()  # never reused: the failed instance may have released it
                 if len(failed) > self.max_migrations:
                     MIGRATIONS.labels(reason, "gave_up").inc()
                     raise UnavailableError(f"the request's decode failed {len(failed)} times, the "
                                            f"last on {instance.address}: {exc}") from exc
                 MIGRATIONS.labels(reason, "moved").inc()
-                logger.warning("decode stream of %s on %s %s (%s) after %d tokens: moving it",
-                               spec.request_id, instance.address, reason, exc, len(output))
+                logger.log(logging.INFO if reason == "draining" else logging.WARNING, "decode stream of %s on %s %s (%s) "
+                           "after %d tokens: moving it", spec.request_id, instance.address, reason, exc, len(output))
             finally:
                 await rows.release()
 
@@ -372,7 +372,7 @@ class ClusterBackend:
                 error = error_from_rpc(exc)
                 is_instance_fault = error.retryable and not isinstance(error, EmbeddingsMissingError)
                 if is_instance_fault or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    self.prefills.failed(instance)
+                    self.prefills.failed(instance, error)
                 raise error from exc
             finally:
                 self.prefills.release(placement)

@@ -110,6 +110,7 @@ async def with_server(scenario: Callable[[str], Awaitable[None]],
     ("PromptTooLongError", grpc.StatusCode.INVALID_ARGUMENT, PromptTooLongError),
     ("ModelNotFoundError", grpc.StatusCode.NOT_FOUND, errors.ModelNotFoundError),
     ("UnavailableError", grpc.StatusCode.UNAVAILABLE, UnavailableError),
+    ("DrainingError", grpc.StatusCode.UNAVAILABLE, errors.DrainingError),
     ("DeadlineExceededError", grpc.StatusCode.DEADLINE_EXCEEDED, errors.DeadlineExceededError),
     ("EPDError", grpc.StatusCode.INTERNAL, EPDError),
 ])
@@ -294,7 +295,7 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(demo_process):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await call(demo_process.address, "Echo", b"late")
         assert (info.value.code(), info.value.details()) == (UNAVAILABLE, "draining")
-        assert type(error_from_rpc(info.value)) is UnavailableError
+        assert type(error_from_rpc(info.value)) is errors.DrainingError  # no fault: the caller goes elsewhere
         # A Release ends work already lent out (KV under a lease): still served.
         assert await call(demo_process.address, "Release", b"lease-1") == b"lease-1"
         async with grpc.aio.insecure_channel(demo_process.address) as channel:

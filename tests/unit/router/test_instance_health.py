@@ -9,6 +9,7 @@ import time
 import grpc
 import httpx
 
+from services.common.errors import DrainingError
 from services.common.wire import LoadReport
 from services.router.admin.app import create_admin_app
 from services.router.cluster.instances import InstancePool
@@ -57,6 +58,19 @@ def test_consecutive_failures_eject_an_instance_for_a_growing_back_off_and_a_suc
         pool.failed(bad)
         report(pool, 0)
         assert pool.views()[0].is_healthy     # the count started again after a success
+
+    run(scenario)
+
+
+def test_a_refusal_because_it_drains_takes_no_new_work_and_counts_no_failure():
+    async def scenario(pool: InstancePool) -> None:
+        draining = pool.instances[0]
+        for _ in range(3):  # more than eject_after: still no ejection
+            pool.failed(draining, DrainingError("draining"))
+        assert not pool.views()[0].is_healthy  # no new work until its next report ...
+        assert draining.num_failures == 0 and draining.ejected_until == float("-inf")
+        report(pool, 0)
+        assert pool.views()[0].is_healthy  # ... which, for a real drain, says so
 
     run(scenario)
 
