@@ -1,6 +1,7 @@
 """Graceful drain: a decode instance told to stop (SIGTERM) finishes the stream it serves, takes
 no new work (the router sends it elsewhere), and exits 0; a prefill instance waits until the KV it
-lent is released (serving the Release), then exits 0. Neither waits for the router's load watch."""
+lent is released (serving the Release), then exits 0. Neither waits for the router's load watch,
+which hears of the drain at once."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from services.common.sampling_params import SamplingParams
 from services.common.wire import RequestSpec, spec_to_proto
-from services.pb import prefill_pb2, prefill_pb2_grpc
+from services.pb import common_pb2, prefill_pb2, prefill_pb2_grpc
 from tests.cluster import running_cluster
 from tests.factories import random_prompts
 
@@ -62,7 +63,11 @@ def test_a_draining_prefill_serves_the_release_of_its_lent_kv_and_then_exits(tin
             stub = prefill_pb2_grpc.PrefillStub(channel)
             reply = stub.Prefill(prefill_pb2.PrefillRequest(spec=spec_to_proto(spec)), timeout=60)
             assert reply.kv.lease_id  # as the router hands it to a decode instance
+            # A router's load watch, at an interval longer than this test's deadline.
+            watch = stub.WatchLoad(common_pb2.WatchLoadRequest(interval_s=600), timeout=60)
+            assert not next(watch).is_draining
             prefill.process.send_signal(signal.SIGTERM)
+            assert next(watch).is_draining  # told at once, not at the next interval
             with pytest.raises(grpc.RpcError) as refused:  # draining: no new work (soon after the signal)
                 for _ in range(500):
                     stub.Prefill(prefill_pb2.PrefillRequest(spec=spec_to_proto(spec)), timeout=60)

@@ -24,6 +24,7 @@ from kvstore.swa import DEFAULT_SWA_TTL_S
 from kvstore.transfer.engine import TRANSPORT_CHOICES, TransferEngine
 from kvstore.transfer.memory import MemoryRegion
 from services.common.config import check
+from services.common.instance_rpcs import ReportNow
 from services.common.metrics import restart_count
 from services.common.server import ServerOptions, serve
 from services.common.errors import InvalidRequestError
@@ -99,6 +100,8 @@ class EngineInstance:
         engine_config = config
         self.role = role
         self.instance_id = config.instance_id or f"{role}-{uuid.uuid4().hex[:8]}"
+        self.report_now = ReportNow()
+        """Sends the load watches a report at once (the drain's start)."""
         loaded = load_model(engine_config.model)
         # A vision-language checkpoint names its own placeholder (issue 20); the flag is for others.
         self.image_token_id = (config.image_token_id if loaded.config.image_token_id is None
@@ -194,6 +197,7 @@ async def serve_instance(instance: EngineInstance, config: ServingConfig, worker
 
     async def on_drain() -> None:
         worker.is_draining = True
+        instance.report_now()  # the routers stop sending here now, not up to an interval later
 
     try:
         return await serve(add_servicers, ServerOptions.from_config(config), service_name, on_drain=on_drain,
