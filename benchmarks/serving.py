@@ -16,7 +16,7 @@ up with --concurrency requests (not timed), run the timed load, stop it (SIGINT,
 to every process of its session) and check no process of it is left. --repeats N does that N
 times for each server, the order alternating (epd first in even repeats, vLLM in odd ones), each
 run a fresh start in a directory of its own (so epd's KV store starts empty every time): on a
-noisy machine the medians of 3 say more than one run (the README's figures).
+noisy machine the medians of 3 say more than one run (docs/BENCHMARKS.md's figures).
 
 The load client: aiperf 0.13 itself where it is installed (``.peers/aiperf``, its own venv,
 which ``make bench-peers`` creates), sending its synthetic prompts (Shakespeare sonnet text,
