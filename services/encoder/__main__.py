@@ -57,7 +57,7 @@ async def run(config: EncoderConfig) -> int:
                                exporter=exporter, inline_max_bytes=config.inline_max_bytes)
     try:
         return await serve(lambda server: encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server),
-                           ServerOptions.from_config(config), "epd.v1.Encoder",
+                           ServerOptions.from_config(config), "epd.v1.Encoder", on_drain=servicer.on_drain,
                            background=[exporter.expire_leases()] if exporter is not None else [],
                            until_settled=exporter.leases.until_empty if exporter is not None else None)
     finally:

@@ -19,7 +19,7 @@ import torch
 from services.common import metrics
 from services.common.errors import InvalidRequestError
 from services.common.metrics import restart_count
-from services.common.instance_rpcs import LoadRpcs
+from services.common.instance_rpcs import LoadRpcs, ReportNow
 from services.common.wire import EncodedImage, LoadReport, RemoteEmbeddings, TensorBytes, encoded_image_to_proto
 from services.encoder.cache import Entry
 from services.encoder.export import EmbeddingExporter
@@ -44,6 +44,8 @@ class EncoderServicer(LoadRpcs, encoder_pb2_grpc.EncoderServicer):
         self.inline_max_bytes = inline_max_bytes
         self.num_patches_in_flight = 0
         self.num_encode_calls = 0
+        self.is_draining = False
+        self.report_now = ReportNow()
         self._lock = asyncio.Lock()
 
     def key(self, worker_hash: bytes) -> bytes:
@@ -119,8 +121,13 @@ class EncoderServicer(LoadRpcs, encoder_pb2_grpc.EncoderServicer):
         return [EncodedImage(key, inline.get(key), remote.get(key), key in cached)
                 for key in (self.key(image.image_hash) for image in embeddings)]
 
+    async def on_drain(self) -> None:
+        """The server refuses new Encode calls from now on; the routers hear of it at once."""
+        self.is_draining = True
+        self.report_now()
+
     def load_report(self) -> LoadReport:
         num_leases = self.exporter.num_leases if self.exporter is not None else 0
         return LoadReport(self.instance_id, "encoder", num_running=int(self._lock.locked()),
                           num_patches_in_flight=self.num_patches_in_flight, num_leases=num_leases,
-                          num_restarts=restart_count())
+                          num_restarts=restart_count(), is_draining=self.is_draining)

@@ -1,12 +1,15 @@
 """Graceful drain: a decode instance told to stop (SIGTERM) finishes the stream it serves, takes
 no new work (the router sends it elsewhere), and exits 0; a prefill instance waits until the KV it
-lent is released (serving the Release), then exits 0. Neither waits for the router's load watch,
-which hears of the drain at once."""
+lent is released (serving the Release), then exits 0, as an encoder does. None waits for the
+router's load watch, which hears of the drain at once."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -14,10 +17,21 @@ import httpx
 import pytest
 
 from services.common.sampling_params import SamplingParams
+from services.common.server import wait_for_health
 from services.common.wire import RequestSpec, spec_to_proto
-from services.pb import common_pb2, prefill_pb2, prefill_pb2_grpc
+from services.launcher import free_port
+from services.pb import common_pb2, encoder_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.cluster import running_cluster
 from tests.factories import random_prompts
+
+
+def sigterm_while_watched(stub, process) -> None:
+    """SIGTERM to ``process`` while a router's load watch follows it (at an interval longer than
+    the test's deadline): the watch is told of the drain at once, not at its next interval."""
+    watch = stub.WatchLoad(common_pb2.WatchLoadRequest(interval_s=600), timeout=60)
+    assert not next(watch).is_draining
+    process.send_signal(signal.SIGTERM)
+    assert next(watch).is_draining
 
 
 def test_sigterm_drains_a_decode_instance(tiny_chat_model_dir):
@@ -63,11 +77,7 @@ def test_a_draining_prefill_serves_the_release_of_its_lent_kv_and_then_exits(tin
             stub = prefill_pb2_grpc.PrefillStub(channel)
             reply = stub.Prefill(prefill_pb2.PrefillRequest(spec=spec_to_proto(spec)), timeout=60)
             assert reply.kv.lease_id  # as the router hands it to a decode instance
-            # A router's load watch, at an interval longer than this test's deadline.
-            watch = stub.WatchLoad(common_pb2.WatchLoadRequest(interval_s=600), timeout=60)
-            assert not next(watch).is_draining
-            prefill.process.send_signal(signal.SIGTERM)
-            assert next(watch).is_draining  # told at once, not at the next interval
+            sigterm_while_watched(stub, prefill.process)
             with pytest.raises(grpc.RpcError) as refused:  # draining: no new work (soon after the signal)
                 for _ in range(500):
                     stub.Prefill(prefill_pb2.PrefillRequest(spec=spec_to_proto(spec)), timeout=60)
@@ -79,3 +89,17 @@ def test_a_draining_prefill_serves_the_release_of_its_lent_kv_and_then_exits(tin
             assert released.released
         # Well inside its drain_timeout_s and lease TTL (30 s each): the release let it go.
         assert prefill.process.wait(timeout=20) == 0
+
+
+def test_a_draining_encoder_tells_its_watchers_at_once_and_exits(tiny_chat_model_dir):
+    port = free_port("127.0.0.1")
+    encoder = subprocess.Popen([sys.executable, "-m", "services.encoder", "--host", "127.0.0.1", "--port", str(port),
+                                "--metrics-port", "none", "--model", str(tiny_chat_model_dir), "--image-size", "64"])
+    try:
+        assert asyncio.run(wait_for_health(f"127.0.0.1:{port}", "epd.v1.Encoder", timeout_s=60))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            sigterm_while_watched(encoder_pb2_grpc.EncoderStub(channel), encoder)
+        assert encoder.wait(timeout=20) == 0
+    finally:
+        encoder.kill()
+        encoder.wait()
