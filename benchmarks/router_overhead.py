@@ -349,10 +349,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="tokens per decode stream chunk (the first token comes from prefill)")
     parser.add_argument("--router-args", default="", help="extra flags for the epd router, e.g. "
                         "'--prefill-policy round_robin --decode-policy round_robin'")
-    parser.add_argument("--quick", action="store_true", help="1 s points, 1 s warm-ups: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="1 s points, no warm-ups: a smoke run")
     args = parser.parse_args(argv)
     if args.quick:
-        args.duration_s, args.warmup_s = 1.0, 1.0
+        args.duration_s, args.warmup_s = 1.0, 0.0
     ensure_tools()
     procs: list[Proc] = []
     with tempfile.TemporaryDirectory(prefix="router-overhead-") as tmp:
