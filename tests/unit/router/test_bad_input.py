@@ -97,7 +97,7 @@ def test_token_id_prompts_are_checked_before_they_are_scanned(tokenizer):
                        f'"description": {SURROGATES}}}}}]'}, "tools[0].function.description"),
     ("chat", {"extra": f', "cache_salt": {SURROGATES}'}, "cache_salt"),
     ("chat", {"extra": f', "metadata": {{{SURROGATES}: 1}}'}, "metadata"),
-    ("chat", {"extra": f', "structured_outputs": {{"json": "{{\\"description\\": \\"\\\\ud800\\"}}"}}'},
+    ("chat", {"extra": ', "structured_outputs": {"json": "{\\"description\\": \\"\\\\ud800\\"}"}'},
      "structured_outputs.json.description"),
     ("completions", {"prompt": SURROGATES}, "prompt"),
     ("completions", {"prompt": f"[{SURROGATES}]"}, "prompt[0]"),
