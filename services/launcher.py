@@ -82,6 +82,7 @@ class Cluster:
         args = ["--kv-cache-gib", str(c.kv_cache_gib), "--max-num-batched-tokens",
                 str(c.max_num_batched_tokens), "--device", c.device, "--dtype", c.dtype,
                 "--kv-transport", c.kv_transport, "--cpu-threads", self._cpu_threads(role, index)]
+        args += ["--batch-invariant"] if c.batch_invariant else []
         args += [arg for child in kvstores for arg in ("--kvstore", child.address)]
         if kvstores:
             args += ["--kvstore-replicas", str(c.kvstore_replicas), "--swa-ttl-s", str(c.swa_ttl_s)]

@@ -43,6 +43,10 @@ class UpConfig:
     """"cpu", "cuda" or "auto" for every engine."""
     dtype: str = "auto"
     """Every engine's dtype: "float32", "bfloat16" or "auto" (see the engines' --dtype)."""
+    batch_invariant: bool = False
+    """Every engine must give a request's output bit for bit alone or in any batch, kill -9
+    migration included (the engines' --batch-invariant): the CPU's kernels hold it by default;
+    set, an engine that cannot (CUDA, exact prefill, no C compiler) refuses to start."""
     cpu_threads: str = "prefill"
     """CPU engines' compute threads: "prefill" (prefill engines bind a thread to each CPU, decode
     engines' threads unbound: the OS moves them to whichever CPU is free), "off" (every engine

@@ -16,6 +16,34 @@ teardown, so one the test dropped is still checked, then let go."""
 _num_wide_fixtures_in_setup = 0
 
 
+def pytest_sessionstart(session) -> None:
+    """The suite's first line (with -q too): the CPU it found, what ``--dtype auto`` resolves to
+    on it, and the precisions the guarantee tests run in (they follow the machine)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    for line in _machine_lines():
+        if reporter is not None:
+            reporter.write_line(line)
+
+
+def _machine_lines() -> list[str]:
+    try:
+        import torch
+
+        from services.engine.kernels import cpu, select
+        from services.engine.model_runner import cpu_computes_bf16, resolve_dtype
+        from tests.factories import machine_dtypes
+    except ImportError:  # a torch-free run
+        return []
+    flags = cpu.cpu_flags() or frozenset()
+    features = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    kernels = cpu.kernels()
+    auto = str(resolve_dtype("auto", torch.device("cpu"), "bfloat16")).removeprefix("torch.")
+    return [f"epd: CPU {select.cpu_vendor() or '?'} {cpu.cpu_model() or '?'}; features {' '.join(features) or 'none'}; "
+            f"C kernels {'built' if kernels else 'absent'}, bf16 product {(kernels and kernels.bf16_product) or 'none'}; "
+            f"--dtype auto: {auto} for a 16-bit model (bf16 pays: {cpu_computes_bf16()}), float32 for an fp32 one; "
+            f"guarantee tests in {', '.join(machine_dtypes())}"]
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama")

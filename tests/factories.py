@@ -108,3 +108,14 @@ def random_paged_step(rng, num_heads: int, num_kv_heads: int, head_dim: int, blo
     k = torch.randn(total, num_kv_heads, head_dim, generator=gen)
     v = torch.randn(total, num_kv_heads, head_dim, generator=gen)
     return kv, q, k, v, tables
+
+
+def machine_dtypes() -> list[str]:
+    """The precisions a test of a guarantee runs in on this machine: float32 always, and
+    bfloat16 wherever the CPU computes it natively (the kernels' packed bf16 product built:
+    AVX512_BF16, on AMX's tiles where the CPU has them). What ``--dtype auto`` picks on the CPU
+    is one of the two, so it is covered wherever it is chosen."""
+    from services.engine.kernels import cpu
+
+    kernels = cpu.kernels()
+    return ["float32"] + (["bfloat16"] if kernels is not None and kernels.packs_bf16 else [])

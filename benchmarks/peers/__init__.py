@@ -94,7 +94,7 @@ def session_pids(session_id: int) -> list[int]:
 
 def cpu_info() -> dict:
     """What the figures were taken on: /proc/cpuinfo's model name and SIMD flags (native bf16:
-    avx512_bf16 or amx_bf16), its processor count and the cores this process may use."""
+    avx512_bf16 or amx_bf16; amx: amx_bf16), its processor count and the cores this process may use."""
     model, flags, num_logical = "unknown", set(), 0
     try:
         with open("/proc/cpuinfo") as f:
@@ -110,7 +110,7 @@ def cpu_info() -> dict:
     except OSError:
         pass
     return {"model": model, "avx512f": "avx512f" in flags, "avx2": "avx2" in flags,
-            "native_bf16": bool(flags & {"avx512_bf16", "amx_bf16"}),
+            "native_bf16": bool(flags & {"avx512_bf16", "amx_bf16"}), "amx": "amx_bf16" in flags,
             "num_cpus": num_logical or os.cpu_count(), "num_usable_cpus": len(os.sched_getaffinity(0))}
 
 

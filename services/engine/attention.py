@@ -137,9 +137,6 @@ class AttentionMetadata:
     workspace: torch.Tensor | None = None
     """[2, max_gather_blocks, B, kv_heads, head_dim] reused by every gather of the step: a
     fresh tensor per gather costs more in page faults than the copy itself on the CPU."""
-    batch_invariant: bool = False
-    """Every token through the kernels whose result for a token does not depend on the rest
-    of the batch or on how its prompt was chunked (see :func:`build_metadata`)."""
     is_verify_step: bool = False
     """Every chunk is a decode: one token, or one and its speculative drafts (set by the runner)."""
 
@@ -151,10 +148,10 @@ class AttentionMetadata:
     @property
     def packed_products(self) -> bool:
         """Linear layers use the packed product (a row's result does not depend on the other
-        rows) even where the model keeps torch's products for prompt tokens (MKL on Intel's CPUs,
-        the exact mode): steps that only decode (drafts included: a few rows each), for speed;
-        every step in batch-invariant mode."""
-        return self.decode_only or self.is_verify_step or self.batch_invariant
+        rows) even where the model keeps torch's products for prompt tokens (``EPD_CPU_BLAS=mkl``,
+        the exact mode): steps that only decode (drafts included: a few rows each), for speed.
+        (Where the model packs every step, as by default, every step uses it anyway.)"""
+        return self.decode_only or self.is_verify_step
 
     @property
     def max_gather_blocks(self) -> int:
@@ -172,9 +169,8 @@ class AttentionMetadata:
 
 def build_metadata(chunks: list[tuple[int, int, BlockTable | Sequence[int]]], block_size: int,
                    num_layers: int, device: torch.device, kernels: CpuKernels | TritonKernels | None = None,
-                   batch_invariant: bool = False, kept_until: Sequence[int] = (),
-                   discard_block: int = -1, fresh_in_kernel: bool = False,
-                   drafted: Sequence[bool] = ()) -> AttentionMetadata:
+                   kept_until: Sequence[int] = (), discard_block: int = -1, fresh_in_kernel: bool = False,
+                   decode_from: Sequence[int] = ()) -> AttentionMetadata:
     """``chunks``: (start_position, num_new_tokens, block table) per sequence, in batch order.
     With ``kernels`` (the CPU's or the Triton ones), single-token decodes go to them as one
     :class:`DecodeBatch` and continued chunks as one :class:`PrefillBatch`; fresh prompts stay
@@ -185,14 +181,18 @@ def build_metadata(chunks: list[tuple[int, int, BlockTable | Sequence[int]]], bl
     (a bounded replay's full-attention layers); their new K/V go to ``discard_block``, a block
     nothing reads, and attention reads the kept KV.
 
-    ``batch_invariant`` (the CPU's kernels): every chunk, fresh prompts and single-token decodes
-    included, goes to the prefill kernel, which computes each query alone over its context's
-    keys in the same order however the prompt was chunked (keys past a query add exact zeros).
-
-    ``drafted`` (per chunk, where given): the chunk is a decode and its speculative drafts; each of
-    its tokens attends as a single-token decode over the context up to itself, so its bits are
-    those of the plain decode step that would compute it (the prefill kernel sums in another
-    order: ~1e-4 apart in fp32's logits, whole units in bf16's, enough to flip a greedy token)."""
+    ``decode_from`` (per chunk, where given; the runner gives each request's prompt length): a
+    token at a position before it is a prompt token, from it on an output token. A token's
+    attention is computed by its role's kernel, whatever chunk it came in: a prompt token by
+    the prefill kernel (fresh and continued chunks alike, where ``fresh_in_kernel``), which
+    computes each query alone over its context's keys in the same order however the prompt was
+    chunked (keys past a query add exact zeros); an output token as a single-token decode over
+    the context up to itself: in a decode step, with its speculative drafts, or computed again
+    (a preempted or migrated request recomputes its output, a bounded replay its window). So a
+    position's bits are the same however the request was batched, chunked, cached or moved
+    (the two kernels sum in other orders: ~1e-4 apart in fp32's logits, whole units in bf16's,
+    enough to flip a token). Not given (tests, prompt scoring): a one-token chunk after position
+    0 is a decode, any other chunk prompt tokens."""
     stride = 2 * num_layers  # block rows per block
     slot_rows: list[int] = []
     spans: list[Span] = []
@@ -207,18 +207,16 @@ def build_metadata(chunks: list[tuple[int, int, BlockTable | Sequence[int]]], bl
         kept = kept_until[i] if kept_until else 0
         slot_rows.extend((ids[p // block_size] if p >= kept else discard_block) * stride * block_size + p % block_size
                          for p in range(start, start + n))
-        num_ctx_blocks = -(-(start + n) // block_size)
-        if batch_invariant:
-            continued.append((token_start, n, start, table, num_ctx_blocks))
-        elif (n == 1 or (drafted and drafted[i])) and start > 0:
-            for j in range(n):
-                dec_index.append(token_start + j)
-                dec_tables.append((table, -(-(start + j + 1) // block_size)))
-                dec_lengths.append(start + j + 1)
-        elif start == 0 and not (fresh_in_kernel and kernels is not None):
-            spans.append(Span(token_start, n, None, None))
-        else:
-            continued.append((token_start, n, start, table, num_ctx_blocks))
+        first_output = decode_from[i] if decode_from else (start if n == 1 and start > 0 else start + n)
+        num_prompt = min(n, max(0, first_output - start))  # the chunk's prompt tokens come first
+        if num_prompt and start == 0 and not (fresh_in_kernel and kernels is not None):
+            spans.append(Span(token_start, num_prompt, None, None))
+        elif num_prompt:
+            continued.append((token_start, num_prompt, start, table, -(-(start + num_prompt) // block_size)))
+        for j in range(num_prompt, n):
+            dec_index.append(token_start + j)
+            dec_tables.append((table, -(-(start + j + 1) // block_size)))
+            dec_lengths.append(start + j + 1)
         token_start += n
 
     def long(values: list) -> torch.Tensor:
@@ -237,7 +235,7 @@ def build_metadata(chunks: list[tuple[int, int, BlockTable | Sequence[int]]], bl
         if continued:
             prefill_batch = PrefillBatch(long([c[:3] for c in continued]), padded([c[3:] for c in continued]))
         return AttentionMetadata(num_layers, block_size, long(slot_rows), spans, [], kernels, decode_batch,
-                                 prefill_batch, batch_invariant=batch_invariant)
+                                 prefill_batch)
     spans += [_continued_span(token_start, n, start, padded([(table, blocks)])[0], block_size, stride, device)
               for token_start, n, start, table, blocks in continued]
     groups = []

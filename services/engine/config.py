@@ -36,8 +36,8 @@ class EngineConfig:
     """"cpu", "cuda" or "auto" (CUDA when present)."""
     dtype: str = "auto"
     """"float32", "bfloat16", "float16" or "auto": bf16 on CUDA; on the CPU bf16 for a model
-    published in 16 bits where the CPU computes bf16 natively (AVX512_BF16, the C kernels built), else fp32,
-    the exact mode (model_runner.resolve_dtype)."""
+    published in 16 bits where the CPU computes bf16 natively and faster than fp32 (AMX, or AMD's
+    AVX512_BF16; the C kernels built), else fp32 (model_runner.resolve_dtype)."""
     cpu_threads: str = "off"
     """A CPU engine's compute threads: "auto" (one per CPU of this process's affinity mask, each
     bound to its CPU: for CPUs the engine has to itself, such as a pod's dedicated cpuset), "off"
@@ -48,10 +48,14 @@ class EngineConfig:
     """Unix priority (nice, 0-19) of the thread that runs the model and of its compute threads;
     the server's threads keep theirs. On CPUs an engine shares, the higher yields (threads.py)."""
     batch_invariant: bool = False
-    """Every step's arithmetic for a request independent of the batch around it and of how its
-    prompt was chunked: the same request gives bit-identical logits alone or in any batch, on
-    any instance. Costs speed (benchmarks/engine_throughput.py); for debugging, evaluation and
-    RL rollouts that must replay exactly. Needs the CPU's fp32 kernels (not built for CUDA yet)."""
+    """Require what the CPU's kernels give by default: every step's arithmetic for a request
+    independent of the batch around it, of how its prompt was chunked or cached, and of
+    preemption or migration, so the same request gives bit-identical logits alone or in any
+    batch, on any instance (model_runner.ModelRunner.is_batch_invariant). Set, the packed
+    product runs every step even where ``EPD_CPU_BLAS=mkl`` asks otherwise, and an engine that
+    cannot hold it refuses to start (CUDA, torch's path without the C kernels, a bfloat16 the
+    CPU does not compute natively, exact_prefill). For evaluation and RL rollouts that must
+    replay exactly; free where the default already holds it (benchmarks/engine_throughput.py)."""
     exact_prefill: bool = False
     """Prompts go through exactly the arithmetic transformers runs (MKL's products, torch's SDPA,
     RMSNorm and SiLU), so fp32 prompt logits equal transformers' bit for bit (the oracle tests;

@@ -75,7 +75,7 @@ class LLMEngine:
         self.model_config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
         device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device, cfg.dtype, config.batch_invariant or config.exact_prefill)
+        dtype = resolve_dtype(config.dtype, device, cfg.dtype, config.exact_prefill)
         bs = config.block_size
         # A hybrid model's window pool is sized for max_num_seqs full chunks (kv_groups.py); the
         # full-attention pool, num_kv_blocks, gets the rest of the memory.
@@ -121,8 +121,12 @@ class LLMEngine:
         self._held: dict[RequestId, Sequence] = {}
         """Requests added with ``hold_for_kv``: not scheduled until their KV is committed."""
         self._ids = itertools.count()
-        logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens (+%d for sliding windows), "
-                    "max_model_len %d", cfg.name, device, dtype, num_blocks, bs, num_window, self.max_model_len)
+        runner = self.runner
+        logger.info("engine ready: %s on %s/%s (dtype %s), %d KV blocks of %d tokens (+%d for sliding windows), "
+                    "max_model_len %d; products: prompt steps %s, decode steps %s; attention %s; batch-invariant %s",
+                    cfg.name, device, str(dtype).removeprefix("torch."), config.dtype, num_blocks, bs, num_window,
+                    self.max_model_len, *runner.product_kernels, runner.attention_backend,
+                    "yes" if runner.is_batch_invariant else "no (the same request batched alike only)")
 
     # ----- requests ----------------------------------------------------------------------
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:

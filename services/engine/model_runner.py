@@ -88,10 +88,10 @@ def resolve_dtype(dtype: str, device: torch.device, published: str = "float32", 
 
     auto: bf16 on CUDA; on the CPU bf16 where it pays, fp32 elsewhere. It pays where the model
     was published in 16 bits (an fp32 checkpoint stays fp32, as vLLM's auto keeps it) and the
-    CPU computes bf16 products natively (:func:`cpu_computes_bf16`): on a 2-core Zen 4, SmolLM2
-    ~1.8x fp32's generated tokens a second (benchmarks/engine_throughput.py); without them torch
-    emulates bf16, slower than fp32. ``exact``: a mode that needs fp32 (batch-invariant, exact
-    prefill) keeps fp32 on the CPU.
+    CPU computes bf16 products natively and faster than fp32 (:func:`cpu_computes_bf16`):
+    SmolLM2's generated tokens a second (benchmarks/engine_throughput.py), 2 cores, ~1.8x fp32's
+    on an AMD Zen 4 (AVX512_BF16), ~1.8x on an Intel Xeon with AMX; without them torch emulates
+    bf16, slower than fp32. ``exact``: a mode that needs fp32 (exact prefill) keeps fp32 on the CPU.
     """
     if dtype != "auto":
         return getattr(torch, dtype)
@@ -102,12 +102,25 @@ def resolve_dtype(dtype: str, device: torch.device, published: str = "float32", 
 
 
 def cpu_computes_bf16() -> bool:
-    """The CPU kernels' packed bf16 product was built here (the CPU has AVX512_BF16, as AMX's
-    do): bf16 products run natively and a row's bits do not depend on the batch, as in fp32, so
-    bf16 keeps the engine's guarantees (seeded outputs alone or batched, speculative decoding
-    equal to plain). Without the kernels (no C compiler, ``EPD_CPU_KERNELS=0``) auto stays fp32."""
+    """bf16 pays on this CPU and keeps the engine's guarantees: the kernels' packed bf16 product
+    was built here (AVX512_BF16, on AMX's tiles where the CPU has them), whose row's bits do not
+    depend on the batch, as fp32's, and it runs faster than fp32 (kernels/select.bf16_pays: on
+    AMX, and on AVX512_BF16 but on Intel's, whose dot products alone are slower than its fp32).
+    Without the kernels (no C compiler, ``EPD_CPU_KERNELS=0``) auto stays fp32."""
     kernels = kernel_select.kernels_for("cpu")
-    return kernels is not None and kernels.packs_bf16
+    return kernels is not None and kernel_select.bf16_pays(kernels.bf16_product, kernel_select.cpu_vendor())
+
+
+def product_kernel(device: torch.device, dtype: torch.dtype, packed_by=None) -> str:
+    """A name for what multiplies by the weights: the CPU kernels' packed product (``packed_by``,
+    their CpuKernels) or torch's own (MKL, oneDNN or cuBLAS)."""
+    if packed_by is not None:
+        return "packed-fp32" if dtype == torch.float32 else f"packed-{packed_by.bf16_product}"
+    if device.type == "cuda":
+        return "cublas"
+    if dtype == torch.float32:
+        return "mkl" if torch.backends.mkl.is_available() else "torch"
+    return "onednn" if torch.backends.mkldnn.is_available() else "torch"
 
 
 @functools.cache
@@ -202,24 +215,32 @@ class ModelRunner:
         # turned off).
         self.attention_backend = kernel_select.attention_backend(device, dtype)
         self._kernels = kernel_select.kernels_for(self.attention_backend)
-        is_cpu_fp32 = self.attention_backend == "cpu" and dtype == torch.float32
+        on_kernels = self.attention_backend == "cpu"
         # Unless prefill must be transformers' arithmetic: fresh prompts through the CPU's
-        # attention kernel, every RMSNorm (and the add before it) in one C pass, and (fp32, CPUs
-        # where it is chosen: kernels/select.py) the products through the packed weights too.
-        self._fresh_in_kernel = self.attention_backend == "cpu" and not exact_prefill
+        # attention kernel, every RMSNorm (and the add before it) in one C pass.
+        self._fresh_in_kernel = on_kernels and not exact_prefill
         if self._fresh_in_kernel:
             self.model.fuse_norms(self._kernels)
-        # bf16 likewise where its packed product was built (AVX512_BF16), else oneDNN's products.
-        packs = is_cpu_fp32 or (self.attention_backend == "cpu" and dtype == torch.bfloat16
-                                and self._kernels.packs_bf16)
-        packed_prompts = packs and not exact_prefill and kernel_select.packed_prompts()
+        # The packed product where the kernels have one for the dtype: fp32, and bf16 where it was
+        # built (AVX512_BF16; on AMX's tiles where the CPU has them); else torch's (oneDNN, cuBLAS).
+        packs = on_kernels and (dtype == torch.float32 or (dtype == torch.bfloat16 and self._kernels.packs_bf16))
+        check(not batch_invariant or (packs and not exact_prefill), "batch_invariant",
+              f"needs the CPU's packed product for every step (device cpu, float32 or a bfloat16 the CPU "
+              f"computes natively, a C compiler) and prompts not in exact_prefill's batch-dependent "
+              f"arithmetic; this engine runs {self.attention_backend} attention on "
+              f"{device}/{str(dtype).removeprefix('torch.')}{', exact_prefill' if exact_prefill else ''}")
+        packed_prompts = packs and not exact_prefill and (batch_invariant or kernel_select.packed_prompts())
         if packs:
             self.model.pack(self._kernels, every_step=packed_prompts)
         self.prompt_products = "packed" if packed_prompts else "torch"
-        check(not batch_invariant or is_cpu_fp32, "batch_invariant",
-              f"needs the CPU's fp32 kernels (device cpu, dtype float32, a C compiler); this engine "
-              f"runs {self.attention_backend} attention on {device}/{str(dtype).removeprefix('torch.')}")
-        self.batch_invariant = batch_invariant
+        self.product_kernels = (product_kernel(device, dtype, self._kernels if packed_prompts else None),
+                                product_kernel(device, dtype, self._kernels if packs else None))
+        """What multiplies by the weights in steps with prompt tokens, and in steps that only decode."""
+        self.is_batch_invariant = packed_prompts
+        """A request's output is the same alone or in any batch, however its prompt was chunked,
+        cached or handed over, and when it is preempted or migrated: every product is packed (a
+        row's bits never depend on the other rows) and every token attends through its role's
+        kernel (attention.build_metadata). ``batch_invariant`` makes it a requirement."""
         self.threads = None
         cpu_threads = cpu_threads if device.type == "cpu" else None
         if cpu_threads is not None or nice:
@@ -246,7 +267,7 @@ class ModelRunner:
             [(c.start_position, c.token_ids, state.block_tables) for c, state in zip(out.chunks, states)],
             [c.mm_embeds for c in out.chunks], is_verify_step,
             [state.replay_until for state in states] if self._discard_block >= 0 else (),
-            [bool(c.draft_token_ids) for c in out.chunks])
+            [len(state.prompt_token_ids) for state in states])
         sample_rows, rows, ids, constrained, verifying = [], [], [], [], []
         end = 0
         for chunk, state in zip(out.chunks, states):
@@ -310,10 +331,11 @@ class ModelRunner:
     def _forward(self, chunks: list[tuple[int, list[int], Sequence[BlockTable | list[BlockId]]]],
                  mm_embeds: list[list[tuple[int, torch.Tensor]]] | None = None, is_verify_step: bool = False,
                  replay_until: Sequence[int] = (),
-                 drafted: Sequence[bool] = ()) -> tuple[torch.Tensor, AttentionMetadata]:
+                 decode_from: Sequence[int] = ()) -> tuple[torch.Tensor, AttentionMetadata]:
         """Final hidden states of the flat batch, and the step's attention metadata (group 0's;
         ``chunks`` carry one block table per KV group; ``replay_until`` per chunk, where given:
-        RequestState.replay_until; ``drafted`` per chunk: a decode with speculative drafts)."""
+        RequestState.replay_until; ``decode_from`` per chunk, where given: its request's prompt
+        length, where output tokens begin (attention.build_metadata))."""
         if self.threads is not None:
             self.threads.ensure()
         input_ids = torch.tensor([t for _, toks, _ in chunks for t in toks], dtype=torch.long,
@@ -328,9 +350,9 @@ class ModelRunner:
                 row += len(toks)
         positions = torch.cat([torch.arange(s, s + len(toks)) for s, toks, _ in chunks]).to(self.device)
         metas = [build_metadata([(s, len(toks), tables[group]) for s, toks, tables in chunks], self.block_size,
-                                num_layers, self.device, self._kernels, self.batch_invariant,
+                                num_layers, self.device, self._kernels,
                                 replay_until if group == 0 else (), self._discard_block, self._fresh_in_kernel,
-                                drafted)
+                                decode_from)
                  for group, num_layers in enumerate(self._group_num_layers)]
         workspace = self._workspace(max(meta.max_gather_blocks for meta in metas))
         for meta in metas:

@@ -1,9 +1,13 @@
 """A decode instance that dies or freezes mid-stream: the client's stream goes on, token for token.
 
 Real processes (``epd up``'s own code): 1 prefill, 2 decodes, a KV store node, the tiny chat
-model. Each case is first run undisturbed, then again while the decode instance serving it is
-frozen and killed (SIGSTOP, then SIGKILL: no token leaves it after the router has read a few)
-or only frozen; the second client stream must equal the first, usage included.
+model, in each precision the machine computes natively (tests/factories.machine_dtypes). Each
+case is first run undisturbed, then again while the decode instance serving it is frozen and
+killed (SIGSTOP, then SIGKILL: no token leaves it after the router has read a few) or only
+frozen; the second client stream must equal the first, usage and logprobs included, bit for bit:
+the resumed instance computes the output tail again as the decode steps did (attention's
+role rule). Four streams at once, one of their decodes killed, equal both the same four run
+undisturbed and each run alone (the CPU's kernels are batch-invariant).
 """
 
 from __future__ import annotations
@@ -11,13 +15,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
 import pytest
 
 from tests.cluster import running_cluster
+from tests.factories import machine_dtypes
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,12 +47,12 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_chat_model_dir):
+@pytest.fixture(scope="module", params=machine_dtypes())
+def cluster(request, tiny_chat_model_dir):
     os.environ["EPD_ROUTER_DECODE_IDLE_TIMEOUT_S"] = str(IDLE_TIMEOUT_S)
     try:
         with running_cluster(str(tiny_chat_model_dir), supervise=True, prefills=1, decodes=2, encoders=0,
-                             kvstores=1, kv_cache_gib=0.05) as running:
+                             kvstores=1, kv_cache_gib=0.05, dtype=request.param) as running:
             yield running
     finally:
         del os.environ["EPD_ROUTER_DECODE_IDLE_TIMEOUT_S"]
@@ -86,12 +93,10 @@ def stream(url: str, request: dict, after_tokens=None) -> tuple[dict[int, str], 
 
 
 def assert_same_stream(disturbed: tuple, undisturbed: tuple) -> None:
-    """Texts, usage, finish reasons, and every logprob's token and alternatives equal; the
-    logprob values within 1e-4 (a recomputed tail may sum in another order than the decode steps
-    it replaces: rounding them to 3 places still split -9.5785 into -9.578 and -9.579)."""
+    """Texts, usage, finish reasons, and every logprob (token, value, alternatives) equal: the
+    recomputed tail attends as the decode steps it replaces did, so even the values are the same."""
     assert disturbed[:3] == undisturbed[:3], "the migrated stream differs from the undisturbed one"
-    assert [(t, alts) for t, _, alts in disturbed[3]] == [(t, alts) for t, _, alts in undisturbed[3]]
-    assert all(abs(a[1] - b[1]) <= 1e-4 for a, b in zip(disturbed[3], undisturbed[3]))
+    assert disturbed[3] == undisturbed[3], "the migrated stream's logprobs differ from the undisturbed one's"
 
 
 def serving_decode(cluster):
@@ -159,6 +164,52 @@ def test_a_killed_decode_mid_stream_resumes_token_identical(cluster, case):
     # block; a block or so more when the last write was still in flight; per choice).
     assert cached >= 16 * 4, f"only {cached} tokens of the resumed context were cached"
     assert recomputed <= 4 * 16 * CASES[case].get("n", 1), f"{recomputed} tokens were recomputed"
+    wait_for_decodes(cluster)
+    assert cluster.leftovers() == []
+
+
+FOUR = [{**body(case), "messages": [{"role": "user", "content": prompt}], "logprobs": True, "top_logprobs": 2,
+         "max_tokens": 400}
+        for case, prompt in (("greedy", PROMPT), ("seeded", "Describe a storm at sea, at length."),
+                             ("greedy", "Tell me about lighthouses, in detail."),
+                             ("seeded", "Write a long letter from a keeper to his sister."))]
+"""Four streams at once: two greedy, two seeded, each its own prompt, with logprobs."""
+
+
+def stream_all(url: str, requests: list[dict], after_tokens=None) -> list[tuple]:
+    """The streams of ``requests`` run at once; ``after_tokens`` is called once, by the first to
+    pass AFTER_CHUNKS."""
+    once = threading.Lock()
+    called = []
+
+    def first(num_chunks: int) -> None:
+        with once:
+            if not called:
+                called.append(num_chunks)
+                after_tokens(num_chunks)
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(lambda r: stream(url, r, first if after_tokens else None), requests))
+
+
+def test_a_killed_decode_under_four_streams_resumes_each_as_it_ran_together_and_alone(cluster):
+    wait_for_decodes(cluster)
+    alone = [stream(cluster.url, r) for r in FOUR]
+    together = stream_all(cluster.url, FOUR)
+    for got, want in zip(together, alone):
+        assert_same_stream(got, want)   # batched or alone: the same bits
+    killed = []
+
+    def kill(num_chunks: int) -> None:
+        child = serving_decode(cluster)
+        os.kill(child.process.pid, signal.SIGKILL)
+        child.process.wait()
+        killed.append(child.name)
+
+    disturbed = stream_all(cluster.url, FOUR, after_tokens=kill)
+    assert killed, "the streams ended before a decode instance could be killed"
+    for got, want in zip(disturbed, together):
+        assert_same_stream(got, want)
     wait_for_decodes(cluster)
     assert cluster.leftovers() == []
 

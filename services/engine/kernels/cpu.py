@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 COMPILE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=gnu11")
 MARCH_ENV = "EPD_CPU_MARCH"
+AMX_ENV = "EPD_CPU_AMX"
+"""``0``: the bf16 product keeps to AVX512_BF16's dot products where the CPU has AMX too (to
+compare the two; the default uses AMX's tiles)."""
 """The instruction set to build for (``-march``): this CPU's own (``native``) unless set."""
 BF16 = ("-DEPD_BF16",)
 """Builds a source for bfloat16 elements (element.h): its names end in _bf16, not _f32."""
@@ -100,6 +103,9 @@ class CpuKernels:
     packs_bf16: bool
     """Whether the bf16 product was built (the compiler targets AVX512_BF16): without it the
     packing and products take fp32 only."""
+    bf16_product: str
+    """What computes the bf16 product: ``"amx"`` (AMX's tiles, where the CPU and the compiler have
+    them and ``EPD_CPU_AMX`` is not ``0``), ``"avx512_bf16"`` (its dot products) or ``""`` (not built)."""
     bind_threads: Callable[[list[int]], int]
     """``(cpus) -> failures``: the calling thread's OpenMP team, ``len(cpus)`` threads, thread
     i bound to ``cpus[i]`` (see ``threads.c``); how many could not be bound."""
@@ -122,6 +128,12 @@ def _cpu_identity() -> str:
         return platform.processor() or platform.machine()
     wanted = [ln for ln in lines if ln.startswith(("model name", "flags"))]
     return "\n".join(sorted(set(wanted)))
+
+
+def cpu_model() -> str:
+    """/proc/cpuinfo's model name, "" where there is none."""
+    lines = [ln for ln in _cpu_identity().splitlines() if ln.startswith("model name")]
+    return lines[0].split(":", 1)[1].strip() if lines else ""
 
 
 def march() -> str:
@@ -213,6 +225,8 @@ def _library() -> ctypes.CDLL | None:
         norm.restype = None
     lib.packed_gemm_bf16_available.argtypes = []
     lib.packed_gemm_bf16_available.restype = i32
+    lib.packed_gemm_bf16_amx_ready.argtypes = []
+    lib.packed_gemm_bf16_amx_ready.restype = i32
     for product in ["packed_gemm"] + (["packed_gemm_bf16"] if lib.packed_gemm_bf16_available() else []):
         for name, argtypes, restype in (
                 ("_size", [i64, i64], i64), ("_pack", [ptr, ptr, i64, i64, i32], None),
@@ -221,6 +235,11 @@ def _library() -> ctypes.CDLL | None:
                 ("_gated", [ptr, i64, ptr, ptr] + [i64] * 4 + [i32], None)):
             fn = getattr(lib, product + name)
             fn.argtypes, fn.restype = argtypes, restype
+    # Asks Linux for AMX's tile state once, here, before any thread computes on it.
+    if lib.packed_gemm_bf16_amx_ready():
+        for like in ("packed_gemm_bf16", "packed_gemm_bf16_gated"):
+            amx = getattr(lib, like.replace("bf16", "bf16_amx"))
+            amx.argtypes, amx.restype = getattr(lib, like).argtypes, None
     lib.bind_threads.argtypes = [ptr, i32]
     lib.bind_threads.restype = i32
     return lib
@@ -294,10 +313,16 @@ def kernels() -> CpuKernels | None:
         return q, k
 
     packs_bf16 = bool(lib.packed_gemm_bf16_available())
-    # The packed product's entry points by element type: (size, pack, product, pack gated, gated).
+    on_amx = bool(lib.packed_gemm_bf16_amx_ready()) and os.environ.get(AMX_ENV, "1") != "0"
+    bf16_product = "amx" if on_amx else "avx512_bf16" if packs_bf16 else ""
+    # The packed product's entry points by element type: (size, pack, product, pack gated, gated);
+    # bf16's products on AMX's tiles where they run (the same packing).
     products = {dtype: tuple(getattr(lib, prefix + name) for name in ("_size", "_pack", "", "_pack_gated", "_gated"))
                 for dtype, prefix in ((torch.float32, "packed_gemm"), (torch.bfloat16, "packed_gemm_bf16"))
                 if dtype == torch.float32 or packs_bf16}
+    if on_amx:
+        size, pack, _, pack_gated, _ = products[torch.bfloat16]
+        products[torch.bfloat16] = (size, pack, lib.packed_gemm_bf16_amx, pack_gated, lib.packed_gemm_bf16_amx_gated)
 
     def _product(t: torch.Tensor):
         assert t.dtype in products and t.device.type == "cpu", f"no packed product for {t.dtype} on {t.device}"
@@ -358,4 +383,5 @@ def kernels() -> CpuKernels | None:
     return CpuKernels(paged_decode=paged_decode, paged_prefill=paged_prefill, rope_store=rope_store,
                       pack_weight=pack_weight, packed_gemm=packed_gemm, pack_gated=pack_gated,
                       packed_gemm_gated=packed_gemm_gated, add_rms_norm=add_rms_norm, packs_bf16=packs_bf16,
+                      bf16_product=bf16_product,
                       bind_threads=bind_threads)

@@ -19,6 +19,11 @@
  * free (dynamic), as packed_gemm.c's. The gated form (SwiGLU) packs gate's panel p then up's as
  * one item and writes only silu(gate) * up, from the float sums, rounded once.
  *
+ * Where the CPU has AMX (and the compiler targets it) the same product runs on AMX's tiles
+ * instead (product_amx, below): its sums are other bits (the tile instruction sums its 16 pairs
+ * in its own way), so an engine uses one of the two for every row, decode and prefill alike
+ * (packed_gemm_bf16_amx and _amx_gated, where packed_gemm_bf16_amx_ready() says they run).
+ *
  * Built only where the compiler targets AVX512_BF16 (-march=native on such a CPU);
  * packed_gemm_bf16_available() says whether it was.
  */
@@ -114,6 +119,141 @@ TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 typedef void (*tile_fn)(const bf16 *, int64_t, const bf16 *, const bf16 *, int64_t, vf[MR][4]);
 static const tile_fn TILES[MR + 1] = {0, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* The same product with AMX's tile instructions (tdpbf16ps), on CPUs that have them: the packed
+ * layout is already AMX's: 16 pairs of one panel's 16 outputs are a B tile's 16 rows of 64 bytes,
+ * rows 2 * NR * 2 bytes apart. Each 16 x 16 block of sums runs over k in tiles of 16 pairs, in
+ * order from zero; a tile's rows are independent of each other, so a row's bits depend on
+ * nothing but its own x and the weights, whatever M is. A block of up to 32 rows x one panel's
+ * 32 outputs is 4 accumulator tiles (tmm0-3), two x tiles (tmm4-5), two weight tiles (tmm6-7).
+ * A k range that does not fill the last tile is copied into zeroed scratch (zeros add exact
+ * zeros), so nothing past a row of x or past a panel is read. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#define TILE_PAIRS 16                       /* k pairs per tile */
+#define TILE_K (2 * TILE_PAIRS)             /* k per tile */
+#define PAIR_ROW (2 * NR)                   /* elements between a panel's pair rows */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static int amx_state;  /* 0: not asked yet, 1: the kernel may use AMX, -1: it may not */
+
+/* Linux hands AMX's tile state to a process only when asked (arch_prctl). */
+static int amx_permitted(void) {
+    if (amx_state == 0) amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                           18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+    return amx_state == 1;
+}
+
+/* Tiles for rows0 (<= 16) rows in tmm0-1/tmm4 and rows1 (<= 16) more in tmm2-3/tmm5. */
+static void configure(int rows0, int rows1) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        const int rows = t == 6 || t == 7 ? TILE_PAIRS : (t == 2 || t == 3 || t == 5) ? rows1 : rows0;
+        cfg.rows[t] = rows;
+        cfg.colsb[t] = rows ? 64 : 0;
+    }
+    __asm__ volatile("" ::: "memory");  /* ldtilecfg's asm names only cfg's first 8 bytes as read */
+    _tile_loadconfig(&cfg);
+}
+
+/* sums [32][NR] = rows r0 .. r0 + rows of x against panel pa, rows0 / rows1 as configured. */
+static void block_amx(const bf16 *x, int64_t lda, const bf16 *pa, int64_t K, int rows, float sums[32][NR]) {
+    const int64_t num_pairs = (K + 1) / 2, whole = K / TILE_K;  /* tiles wholly inside x's rows */
+    const int two = rows > 16;
+    _tile_zero(0); _tile_zero(1);
+    if (two) { _tile_zero(2); _tile_zero(3); }
+    for (int64_t t = 0; t < whole; t++) {
+        const bf16 *b = pa + t * TILE_PAIRS * PAIR_ROW;
+        _tile_loadd(4, x + t * TILE_K, lda * sizeof(bf16));
+        _tile_loadd(6, b, PAIR_ROW * sizeof(bf16));
+        _tile_loadd(7, b + NR, PAIR_ROW * sizeof(bf16));
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, x + 16 * lda + t * TILE_K, lda * sizeof(bf16));
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    if (whole * TILE_K < K) {  /* the last, partial tile of k, from zeroed copies */
+        bf16 xs[32][TILE_K] __attribute__((aligned(64))), bs[TILE_PAIRS][PAIR_ROW] __attribute__((aligned(64)));
+        const int64_t k0 = whole * TILE_K, pairs = num_pairs - whole * TILE_PAIRS;
+        memset(xs, 0, sizeof xs);
+        memset(bs, 0, sizeof bs);
+        for (int i = 0; i < rows; i++) memcpy(xs[i], x + i * lda + k0, (K - k0) * sizeof(bf16));
+        memcpy(bs, pa + whole * TILE_PAIRS * PAIR_ROW, pairs * PAIR_ROW * sizeof(bf16));
+        /* gcc's tile loads are asm that does not say it reads memory: without this barrier
+         * the copies above are dead stores to it, and dropped. */
+        __asm__ volatile("" ::: "memory");
+        _tile_loadd(4, xs, TILE_K * sizeof(bf16));
+        _tile_loadd(6, bs, PAIR_ROW * sizeof(bf16));
+        _tile_loadd(7, &bs[0][NR], PAIR_ROW * sizeof(bf16));
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, xs[16], TILE_K * sizeof(bf16));
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, &sums[0][0], NR * sizeof(float));
+    _tile_stored(1, &sums[0][16], NR * sizeof(float));
+    if (two) {
+        _tile_stored(2, &sums[16][0], NR * sizeof(float));
+        _tile_stored(3, &sums[16][16], NR * sizeof(float));
+    }
+}
+
+static void product_amx(const bf16 *x, int64_t lda, const bf16 *packed, const bf16 *bias, bf16 *y, int64_t ldy,
+                        int64_t M, int64_t N, int64_t K, int gated, int num_threads) {
+    const int64_t num_out_panels = (N + NR - 1) / NR, panel = panel_size(K);
+    /* An item: 32 rows (or fewer, the last) x one panel of outputs, gated its gate and up panels. */
+    const int64_t num_row_blocks = (M + 31) / 32, num_items = num_out_panels;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        int configured = -1;
+        #pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t blk = 0; blk < num_row_blocks; blk++)
+            for (int64_t item = 0; item < num_items; item++) {
+                const int64_t r0 = blk * 32, rows = M - r0 < 32 ? M - r0 : 32;
+                if (rows != configured) {
+                    configure(rows < 16 ? rows : 16, rows > 16 ? rows - 16 : 0);
+                    configured = rows;
+                }
+                const int64_t n0 = item * NR, width = N - n0 < NR ? N - n0 : NR;
+                float sums[32][NR] __attribute__((aligned(64))), up[gated ? 32 : 1][NR] __attribute__((aligned(64)));
+                const bf16 *pa = packed + (gated ? 2 * item : item) * panel;
+                block_amx(x + r0 * lda, lda, pa, K, rows, sums);
+                if (gated) block_amx(x + r0 * lda, lda, pa + panel, K, rows, up);
+                float b[NR];
+                for (int64_t j = 0; j < NR; j++) b[j] = bias && !gated && j < width ? ld_bf16(bias[n0 + j]) : 0.f;
+                for (int64_t i = 0; i < rows; i++) {
+                    bf16 *dst = y + (r0 + i) * ldy + n0;
+                    for (int j = 0; j < 2; j++) {
+                        const int64_t left = width - j * W;
+                        if (left <= 0) break;
+                        const vf s = *(const vfu *)&sums[i][j * W];
+                        narrow(dst + j * W, gated ? vsilu(s) * *(const vfu *)&up[i][j * W]
+                                                  : s + *(const vfu *)(b + j * W), left < W ? left : W);
+                    }
+                }
+            }
+        _tile_release();
+    }
+}
+#else
+#define HAVE_AMX 0
+#endif
+
 static void product(const bf16 *x, int64_t lda, const bf16 *packed, const bf16 *bias, bf16 *y, int64_t ldy,
                     int64_t M, int64_t N, int64_t K, int gated, int num_threads) {
     if (M == 0) return;
@@ -166,8 +306,31 @@ void packed_gemm_bf16_gated(const bf16 *x, int64_t lda, const bf16 *packed, bf16
                             int64_t N, int64_t K, int num_threads) {
     product(x, lda, packed, 0, y, ldy, M, N, K, 1, num_threads);
 }
+
+#if HAVE_AMX
+void packed_gemm_bf16_amx(const bf16 *x, int64_t lda, const bf16 *packed, const bf16 *bias, bf16 *y, int64_t ldy,
+                          int64_t M, int64_t N, int64_t K, int num_threads) {
+    if (M) product_amx(x, lda, packed, bias, y, ldy, M, N, K, 0, num_threads);
+}
+
+void packed_gemm_bf16_amx_gated(const bf16 *x, int64_t lda, const bf16 *packed, bf16 *y, int64_t ldy, int64_t M,
+                                int64_t N, int64_t K, int num_threads) {
+    if (M) product_amx(x, lda, packed, 0, y, ldy, M, N, K, 1, num_threads);
+}
+#endif
+
+/* Whether packed_gemm_bf16_amx (and _gated) exist and may run: built for AMX, and Linux gave this
+ * process AMX's tile state (asked here, once: call it before any thread computes on tiles). */
+int packed_gemm_bf16_amx_ready(void) {
+#if HAVE_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
 #else
 #define HAVE_BF16 0
+int packed_gemm_bf16_amx_ready(void) { return 0; }
 #endif
 
 int packed_gemm_bf16_available(void) { return HAVE_BF16; }

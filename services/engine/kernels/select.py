@@ -9,26 +9,29 @@ the kernels for it.
 
 Triton is imported only when chosen, so the engine imports without it.
 
-On the CPU in fp32 the products of steps with prompt tokens (:func:`packed_prompts`) go through
-the same packed product as decode steps (``packed_gemm.c``) on CPUs not made by Intel, MKL's
-(torch's) on Intel's. ``EPD_CPU_BLAS`` (read when an engine starts) overrides the choice:
+On the CPU every product of every step goes through the packed weights (``packed_gemm.c`` in
+fp32, ``packed_gemm_bf16.c`` in bf16), whose result for a row never depends on the other rows:
+that is what keeps a request's output the same alone or in any batch (see model_runner). MKL's
+and oneDNN's products do depend on the batch (an fp32 row alone differs from the same row among
+others; oneDNN's bf16 rows differ at some row counts), so they are the default nowhere.
+``EPD_CPU_BLAS`` (read when an engine starts) chooses for steps with prompt tokens:
 
-    auto      the packed product on CPUs not made by Intel, MKL on Intel's (the default)
-    mkl       torch's products for prompt tokens everywhere
-    packed    the packed product everywhere
+    auto      the packed product (the default)
+    packed    the same
+    mkl       torch's products (MKL in fp32, oneDNN in bf16): batch-dependent; ``exact_prefill``
+              keeps them too (transformers' own arithmetic)
 
-On an AMD EPYC Zen 4 (AVX-512, 2 cores) the packed product runs SmolLM2's shapes at 2,048 rows
-at ~200-215 GFLOP/s, ahead of MKL's (~180-200), with the same bits as OpenBLAS's product in
-chunks of k (which it replaces there), and the offline benchmark went from 40.5 / 38.9 s
-(OpenBLAS, alternated) to 35.5 / 36.8 s with the same tokens. On Intel's
-CPUs MKL stays: it is their vendor's, and it was the machine's peak there. The choice is a
-function of the CPU (and the variable), never of a timing, so every engine on the same kind of
-machine computes the same bits. ``exact_prefill`` keeps MKL, transformers' own products.
+Measured on SmolLM2's shapes, 2 cores, GFLOP/s at 2,048 / 256 / 32 rows (benchmarks/products.py):
+an Intel Xeon (Sapphire Rapids, AMX) fp32 packed 241 / 247 / 203 against MKL's 224 / 240 / 128;
+bf16 on AMX tiles 709 / 851 / 813 against oneDNN's (AMX too) 896 / 683 / 369, and AVX512_BF16's
+dot products 150 / 155 / 149 there. An AMD EPYC Zen 4: fp32 packed ~200-215 at 2,048 rows, ahead
+of MKL's ~180-200; bf16 AVX512_BF16 ~400 against oneDNN's ~380.
 
-In bf16 the same choice holds for the bf16 packed product (``packed_gemm_bf16.c``, built where
-the CPU has AVX512_BF16: on the Zen 4 ~400 GFLOP/s at 2,048 rows against oneDNN's ~380, 1.3-1.7x
-oneDNN's at 32 rows); on Intel's CPUs prompt steps keep oneDNN's bf16 products (AMX where the
-CPU has it). Without AVX512_BF16 every bf16 product is oneDNN's.
+The bf16 packed product runs on AMX tiles where the CPU has them (:func:`bf16_product`), else on
+AVX512_BF16's dot products; without either every bf16 product is oneDNN's. Whether bf16 pays
+over fp32 (``--dtype auto``, :func:`bf16_pays`) follows from the figures above: on AMX, and on
+AVX512_BF16 where it is not Intel's (Zen 4: ~1.8x fp32's generated tokens); Intel's AVX512_BF16
+alone is slower than its fp32.
 """
 
 from __future__ import annotations
@@ -93,17 +96,22 @@ def cpu_vendor() -> str:
         return ""
 
 
-def choose_prompt_products(setting: str, vendor: str) -> str:
-    """"packed" or "mkl" for an ``EPD_CPU_BLAS`` value and a CPU vendor (the pure core)."""
+def choose_prompt_products(setting: str) -> str:
+    """"packed" or "mkl" for an ``EPD_CPU_BLAS`` value (the pure core)."""
     if setting not in BLAS_CHOICES:
         raise ValueError(f"{BLAS_ENV}={setting!r}: must be one of {', '.join(BLAS_CHOICES)}")
-    if setting != "auto":
-        return setting
-    return "mkl" if vendor == "GenuineIntel" else "packed"
+    return "packed" if setting == "auto" else setting
 
 
 def packed_prompts() -> bool:
-    """Whether the products of steps with prompt tokens use the packed weights on this CPU
-    (see the module docstring); raises ValueError for an unknown ``EPD_CPU_BLAS``."""
+    """Whether the products of steps with prompt tokens use the packed weights (see the module
+    docstring); raises ValueError for an unknown ``EPD_CPU_BLAS``."""
     setting = os.environ.get(BLAS_ENV, "auto").strip().lower() or "auto"
-    return choose_prompt_products(setting, cpu_vendor()) == "packed"
+    return choose_prompt_products(setting) == "packed"
+
+
+def bf16_pays(bf16_product: str, vendor: str) -> bool:
+    """Whether bf16 runs faster than fp32 on a CPU whose packed bf16 product is ``bf16_product``
+    (``"amx"``, ``"avx512_bf16"`` or ``""``: none) and whose vendor is ``vendor`` (the pure core;
+    the figures in the module docstring)."""
+    return bf16_product == "amx" or (bf16_product == "avx512_bf16" and vendor != "GenuineIntel")

@@ -31,7 +31,7 @@ def test_auto_is_bf16_on_the_cpu_only_for_16_bit_models_with_native_bf16(native)
     assert resolve_dtype("auto", CPU, "bfloat16") == expected
     assert resolve_dtype("auto", CPU, "float16") == expected
     assert resolve_dtype("auto", CPU, "float32") == torch.float32   # published in fp32: stays
-    assert resolve_dtype("auto", CPU, "bfloat16", exact=True) == torch.float32  # batch-invariant, exact prefill
+    assert resolve_dtype("auto", CPU, "bfloat16", exact=True) == torch.float32  # exact prefill
     assert resolve_dtype("auto", CUDA, "float32") == torch.bfloat16
     for name in ("float32", "bfloat16", "float16"):   # a stated dtype is taken as it is
         assert resolve_dtype(name, CPU, "bfloat16") == getattr(torch, name)
@@ -69,5 +69,7 @@ def test_an_engine_on_a_bf16_model_runs_bf16_where_the_cpu_computes_it(tmp_path,
     expected = torch.bfloat16 if model_runner.cpu_computes_bf16() else torch.float32
     assert LLM(str(model_dir), num_kv_blocks=16, device="cpu").engine.runner.dtype == expected
     assert LLM(str(tiny_llama_dir), num_kv_blocks=16, device="cpu").engine.runner.dtype == torch.float32
-    exact = LLM(str(model_dir), num_kv_blocks=16, device="cpu", batch_invariant=True)
+    exact = LLM(str(model_dir), num_kv_blocks=16, device="cpu", exact_prefill=True)
     assert exact.engine.runner.dtype == torch.float32
+    # batch invariance holds in bf16 wherever auto picks it (the packed bf16 product)
+    assert LLM(str(model_dir), num_kv_blocks=16, device="cpu", batch_invariant=True).engine.runner.dtype == expected

@@ -1,6 +1,7 @@
 """The CPU's bf16 product over packed weights (packed_gemm_bf16.c, built where the CPU has
-AVX512_BF16): float sums of exact bf16 products rounded once, a row's bits independent of the
-batch, and a bf16 engine's every product through it."""
+AVX512_BF16; on AMX's tiles where the CPU has them, tested both ways there): float sums of exact
+bf16 products rounded once, a row's bits independent of the batch, and a bf16 engine's every
+product through it."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def test_the_bf16_product_rounds_the_float_sums_once(bf16_kernels, num_in, num_o
     terms = x.double().abs() @ w.double().abs().T
     assert ((batch.double() - want.double()).abs() <= want.double().abs() * 2.0 ** -7 + terms * 2.0 ** -20).all()
     assert (batch == want).float().mean().item() > 0.9
-    for rows in (1, 5, 6, 7, 32, 97):   # one tile, several, one block, several blocks
+    for rows in (1, 5, 6, 7, 16, 17, 32, 33, 97):   # one tile, several, one block, several blocks (AMX: 16, 32)
         for start in (0, 3, 300 - rows):
             got = bf16_kernels.packed_gemm(x[start:start + rows], packed, b, num_out)
             assert torch.equal(got, batch[start:start + rows])   # a row's bits do not depend on the rest
