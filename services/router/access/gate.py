@@ -1,8 +1,8 @@
 """The gate in front of the public API: API key, per-key limits and body size, before any route runs.
 
 A pure ASGI middleware (streaming responses and disconnects pass through untouched) on every
-path but /health and /metrics (the generation paths, /v1/models, any route added later). Life of a
-gated request::
+path but /health and /metrics (the generation paths, /v1/models and /v1/models/{model}, any route
+added later). Life of a gated request::
 
     key (Authorization: Bearer KEY, or x-api-key: KEY)  -- none / unknown: 401, revoked: 403,
                                                              cannot be verified (Redis down): 503
@@ -49,7 +49,8 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 """Everything else is gated, so a route added later cannot be left open by mistake."""
 API_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
                        "/v1/messages/count_tokens", "/v1/models"})
-"""Named in the refusals metric; any other path counts as "other" (scanners must not grow labels)."""
+"""Named in the refusals metric, as is /v1/models/{model} for any model's path; any other path
+counts as "other" (scanners must not grow labels)."""
 REFUSALS = metrics.counter(
     "epd_router_gate_refusals", "Requests the gate turned away, by endpoint and reason (missing_key, "
     "unknown_key, revoked_key, rpm, tpm, max_concurrency, body_too_large, key_store_unavailable, "
@@ -241,8 +242,15 @@ def _replay(body: bytes, receive):
     return replay
 
 
+def _endpoint_label(path: str) -> str:
+    """The refusals metric's ``endpoint`` for ``path`` (a bounded set of values)."""
+    if path in API_PATHS:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
+
 async def _deny(send, path: str, denial: Denial) -> None:
-    REFUSALS.labels(path if path in API_PATHS else "other", denial.reason).inc()
+    REFUSALS.labels(_endpoint_label(path), denial.reason).inc()
     body = json.dumps(error_body_for(path)(denial.status, denial.message, None, denial.code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                *denial.headers]

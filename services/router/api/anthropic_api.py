@@ -9,9 +9,10 @@ Supported (``POST /v1/messages`` and ``POST /v1/messages/count_tokens``):
   (mapped to the data URI the OpenAI path takes; URL sources are a 400, the router fetches nothing).
   ``system``: a string or a list of text blocks. Blocks are joined with "\\n" as OpenAI parts are;
   the conversation then goes through the same chat template and tokenizing as chat completions.
-* ``max_tokens`` (required on /v1/messages, >= 1), ``temperature``, ``top_p``, ``top_k``,
-  ``stop_sequences``, ``stream``, ``metadata`` (accepted, ignored), and the epd extensions
-  ``cache_salt`` / ``kv_retention`` (default ``chat``) as the OpenAI bodies have them.
+* ``max_tokens`` (required on /v1/messages, >= 1), ``temperature`` (0 to 1, Anthropic's range),
+  ``top_p``, ``top_k``, ``stop_sequences`` (at most body_checks.MAX_STOP_STRINGS), ``stream``,
+  ``metadata`` (accepted, ignored), and the epd extensions ``cache_salt`` / ``kv_retention``
+  (default ``chat``) as the OpenAI bodies have them.
 * ``tools`` (client tools with an ``input_schema``) and ``tool_choice`` (``auto``, ``any``, ``tool``,
   ``none``): the output is constrained by the tools' schemas (services/router/api/tools.py) and parsed
   into ``tool_use`` blocks; earlier ``tool_use`` / ``tool_result`` blocks go back into the prompt. A
@@ -53,6 +54,8 @@ from services.router.errors import anthropic_error_body
 
 error_body = anthropic_error_body
 """The protocol's error format: one of its two entry points (with :func:`build`)."""
+MAX_TEMPERATURE = 1.0
+"""Anthropic's documented range is [0, 1] (OpenAI's goes to 2)."""
 
 
 class _Body(BaseModel):
@@ -104,6 +107,7 @@ class CountTokensRequest(RequestBody):
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
     temperature: float | None = None
+    """0 to 1."""
     top_p: float | None = None
     top_k: int | None = None
     stop_sequences: list[str] | None = None
@@ -199,7 +203,7 @@ def build(body: MessagesRequest, backend: Backend, model_names: list[str]) -> tu
     if body.stop_sequences is not None and len(body.stop_sequences) > MAX_STOP_STRINGS:
         raise invalid(f"stop_sequences has {len(body.stop_sequences)} strings; at most {MAX_STOP_STRINGS} "
                       f"are accepted", "stop_sequences")
-    check_ranges(fields)  # before the prompt is built: cheap checks first
+    check_ranges(fields, MAX_TEMPERATURE)  # before the prompt is built: cheap checks first
     checked = prompt(body, backend, model_names)
     tools = anthropic_plan(body.tools, body.tool_choice)
     params = api.sampling_params(fields, len(checked.token_ids), backend.max_model_len, "messages",

@@ -137,11 +137,19 @@ class Routes:
             return generation.response()
         return EventStreamResponse(generation.events(first_texts))
 
+    def _model(self, name: str, created: int) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "epd",
+                "max_model_len": self.backend.max_model_len}
+
     async def models(self) -> dict:
         created = int(time.time())
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "epd",
-             "max_model_len": self.backend.max_model_len} for name in self.model_names]}
+        return {"object": "list", "data": [self._model(name, created) for name in self.model_names]}
+
+    async def model(self, model: str) -> dict:
+        """One entry of :meth:`models` (the SDKs' ``models.retrieve``); an unknown name is the
+        404 ``model_not_found`` that a generation request naming it gets."""
+        openai_api.check_model(model, self.model_names)
+        return self._model(model, int(time.time()))
 
     async def health(self) -> Response:
         try:
@@ -185,6 +193,8 @@ def create_app(backend: Backend, served_model_names: list[str] | None = None, ga
     app.add_api_route("/v1/messages", routes.messages, methods=["POST"], response_model=None)
     app.add_api_route("/v1/messages/count_tokens", routes.count_tokens, methods=["POST"], response_model=None)
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    # ":path": a served name may hold a slash ("org/model"), which clients send as %2F.
+    app.add_api_route("/v1/models/{model:path}", routes.model, methods=["GET"])
     app.add_api_route("/health", routes.health, methods=["GET"], response_model=None)
     app.add_api_route("/metrics", metrics_text, methods=["GET"], response_model=None)
 

@@ -12,7 +12,10 @@ Three passes, each cheap next to what it prevents:
   lone surrogates (``"\\ud800"``), which no tokenizer, protobuf or UTF-8 encoder takes;
 * the sampling fields, before the prompt is built (:func:`check_ranges`, every protocol): each
   integer that reaches the wire within its proto type (a seed past int64 once failed the proto
-  conversion, a 500), at most ``MAX_STOP_STRINGS`` stop strings and ``MAX_STOP_TOKEN_IDS`` stop ids.
+  conversion, a 500), ``temperature`` within the protocol's documented range (OpenAI's [0, 2],
+  Anthropic's [0, 1]), at most ``MAX_STOP_STRINGS`` stop strings (the OpenAI endpoints allow
+  fewer: openai_api.MAX_STOP) and ``MAX_STOP_TOKEN_IDS`` stop ids. The other floats' ranges
+  (``top_p`` in (0, 1], the penalties in [-2, 2], ...) are SamplingParams' own checks.
 
 A prompt that cannot fit the context is refused before it is tokenized (prompts.check_fits).
 
@@ -42,6 +45,8 @@ MAX_JSON_DEPTH = 64
 """Nesting levels: a JSON schema in ``tools`` may nest ~30 objects deep."""
 MAX_STOP_STRINGS = 64
 """Each is searched for after every token, in the engine and in the router: their number is a cost."""
+MAX_TEMPERATURE = 2.0
+"""OpenAI's documented range is [0, 2] (chat, completions, Responses); Anthropic's is [0, 1]."""
 MAX_STOP_TOKEN_IDS = 1024
 """Suppressed in every step until min_tokens: a vocabulary's worth would be a cost per step."""
 _INLINE_BYTES = 64 * 1024
@@ -169,9 +174,15 @@ def _check_range(value: int | None, name: str, low: int, high: int) -> None:
         raise invalid(f"{name}={value} is invalid: must be an integer in [{low}, {high}]", name)
 
 
+def _check_number(value: float | None, name: str, low: float, high: float) -> None:
+    if value is not None and not low <= value <= high:  # NaN fails too
+        raise invalid(f"{name}={value:g} is invalid: must be a number in [{low:g}, {high:g}]", name)
+
+
 class RangedFields(Protocol):
     """What :func:`check_ranges` reads: every protocol's sampling fields (openai_models.SamplingFields)."""
 
+    temperature: float | None
     seed: int | None
     n: int | None
     top_k: int | None
@@ -181,10 +192,12 @@ class RangedFields(Protocol):
     stop: str | list[str] | None
 
 
-def check_ranges(body: RangedFields) -> None:
-    """Every integer that reaches the wire (proto int32 / int64) and every list whose length is a
-    cost, checked before any work: out of range is a 400 naming the field, never a failed
-    conversion later. (n, logprobs and max_tokens have their own checks.)"""
+def check_ranges(body: RangedFields, max_temperature: float = MAX_TEMPERATURE) -> None:
+    """Every integer that reaches the wire (proto int32 / int64), ``temperature`` in [0,
+    ``max_temperature``] (the protocol's), and every list whose length is a cost, checked before
+    any work: out of range is a 400 naming the field, never a failed conversion later. (n,
+    logprobs, max_tokens and OpenAI's stop count have their own checks.)"""
+    _check_number(body.temperature, "temperature", 0, max_temperature)
     _check_range(body.seed, "seed", INT64_MIN, INT64_MAX)
     if body.seed is not None and body.n and body.seed + body.n - 1 > INT64_MAX:
         raise invalid(f"seed={body.seed} is invalid with n={body.n}: the choices are seeded seed, seed + 1, ..., "

@@ -3,7 +3,8 @@
 Supported (``POST /v1/chat/completions`` and ``POST /v1/completions``):
 
 * ``model``: the backend's model name or any ``--served-model-name``; omitted means the backend's
-  model; anything else is a 404.
+  model; anything else is a 404. ``GET /v1/models`` lists these names, ``GET /v1/models/{model}``
+  answers one of them in the same shape (an SDK's ``models.retrieve``), any other with that 404.
 * Chat ``messages``: roles ``system``, ``user``, ``assistant`` (with ``tool_calls``), ``tool`` (a
   call's result) and ``developer`` (rendered as ``system``); any other role is a 400 naming it. ``content`` is a string, null,
   or a list of parts: ``{"type": "text", "text": ...}`` and, for a model that takes images,
@@ -14,8 +15,9 @@ Supported (``POST /v1/chat/completions`` and ``POST /v1/completions``):
   (services/router/api/prompts.py, which every protocol's prompt goes through).
 * Completions ``prompt``: a string (encoded with the tokenizer's special tokens added, as
   Hugging Face and vLLM do) or a list of token ids; a list of exactly one of either is accepted.
-* Sampling: ``temperature``, ``top_p``, ``seed``, ``stop`` (string or list), ``presence_penalty``,
-  ``frequency_penalty``, ``max_tokens`` (chat also ``max_completion_tokens``, which wins), and the
+* Sampling, in OpenAI's documented ranges: ``temperature`` (0 to 2), ``top_p`` (above 0, at most 1),
+  ``seed``, ``stop`` (a string or a list of at most 4), ``presence_penalty`` and ``frequency_penalty``
+  (-2 to 2), ``max_tokens`` (chat also ``max_completion_tokens``, which wins), and the
   vLLM-style extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
   ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``num_speculative_tokens`` (the
   request's cap on draft tokens a step; 0: none). ``max_tokens`` defaults, as OpenAI's
@@ -81,6 +83,9 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for completions (chat's is the rest of the context)."""
 MAX_LOGIT_BIAS_TOKENS = 300
 """Most ids one ``logit_bias`` may name (OpenAI's limit): each is an edit of every step's logits."""
+MAX_STOP = 4
+"""Most ``stop`` sequences one request may give (OpenAI's limit; Anthropic's ``stop_sequences``
+may hold up to body_checks.MAX_STOP_STRINGS)."""
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 
 
@@ -105,6 +110,8 @@ def check_model(requested: str | None, accepted: list[str]) -> None:
 def _reject_unsupported(body: SamplingFields) -> None:
     if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
         raise invalid(f"n={body.n} is invalid: must be in [1, {MAX_CHOICES}]", "n")
+    if isinstance(body.stop, list) and len(body.stop) > MAX_STOP:
+        raise invalid(f"stop has {len(body.stop)} strings; at most {MAX_STOP} are accepted", "stop")
     check_ranges(body)
 
 

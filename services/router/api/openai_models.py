@@ -111,11 +111,16 @@ class SamplingFields(_Body):
     """Default (OpenAI's): chat, the rest of the context (max_model_len - prompt tokens);
     completions, 16 (at most the rest of the context)."""
     temperature: float | None = None
+    """0 to 2 (0: greedy)."""
     top_p: float | None = None
+    """Above 0, at most 1."""
     seed: int | None = None
     stop: str | list[str] | None = None
+    """A string or a list of at most 4 (openai_api.MAX_STOP)."""
     presence_penalty: float | None = None
+    """-2 to 2."""
     frequency_penalty: float | None = None
+    """-2 to 2."""
     n: int | None = None
     """Choices per request, 1 to 16; seeded choices use seed, seed + 1, ..."""
     logit_bias: dict[str, float] | None = None

@@ -10,7 +10,7 @@ Supported (``POST /v1/responses``):
   ``image_url`` parts; a text-only model answers a 400 naming the part). ``instructions`` becomes
   a system message placed first. Parts are joined with "\\n" as chat parts are, and the conversation goes through
   the same chat template and tokenizing as chat completions (same messages, same token ids).
-* ``max_output_tokens`` (>= 1; default: the rest of the context), ``temperature``, ``top_p``,
+* ``max_output_tokens`` (>= 1; default: the rest of the context), ``temperature`` (0 to 2), ``top_p``,
   ``stream``, ``metadata`` (echoed, otherwise ignored), ``store`` (accepted; nothing is stored),
   the vLLM-style ``top_k`` / ``seed`` and the epd extensions ``cache_salt`` / ``kv_retention``
   (default ``chat``).

@@ -45,6 +45,7 @@ class ResponsesRequest(RequestBody):
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
+    """0 to 2."""
     top_p: float | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None

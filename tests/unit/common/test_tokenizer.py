@@ -12,7 +12,7 @@ import pytest
 from services.common.errors import InvalidRequestError
 from services.engine.models.gguf_file import GGUFFile, build_byte_level_bpe
 from services.engine.models.loader import default_gguf_path
-from services.common.tokenizer import IncrementalDetokenizer, Tokenizer
+from services.common.tokenizer import IncrementalDetokenizer, Tokenizer, read_tokenizer_config
 
 STRINGS = [
     "Hello, world!",
@@ -206,6 +206,40 @@ def test_from_file_roundtrip(tmp_path):
     assert tokenizer.eos_token_ids == (5, 0) and tokenizer.bos_token_id is None
     assert tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "x"
     assert tokenizer.decode(tokenizer.encode("the 12")) == "the 12"
+
+
+# --- where a model directory keeps its chat template ---------------------------------------------
+
+CONFIG = {"eos_token": "</s>"}
+TEMPLATE_FILES = {
+    "tokenizer_config.json": json.dumps({**CONFIG, "chat_template": "from tokenizer_config.json"}),
+    "chat_template.json": json.dumps({"chat_template": "from chat_template.json"}),
+    "chat_template.jinja": "from chat_template.jinja",
+}
+
+
+@pytest.mark.parametrize("names, expected", [
+    ((), {}),
+    (("tokenizer_config.json",), {**CONFIG, "chat_template": "from tokenizer_config.json"}),
+    (("chat_template.json",), {"chat_template": "from chat_template.json"}),
+    (("chat_template.jinja",), {"chat_template": "from chat_template.jinja"}),
+    (("tokenizer_config.json", "chat_template.json"), {**CONFIG, "chat_template": "from chat_template.json"}),
+    (("tokenizer_config.json", "chat_template.jinja"), {**CONFIG, "chat_template": "from chat_template.jinja"}),
+    (("chat_template.json", "chat_template.jinja"), {"chat_template": "from chat_template.jinja"}),
+    (tuple(TEMPLATE_FILES), {**CONFIG, "chat_template": "from chat_template.jinja"}),
+])
+def test_the_chat_template_comes_from_the_first_file_that_holds_it(tmp_path, names, expected):
+    """chat_template.jinja, else chat_template.json, else tokenizer_config.json's own; the rest of
+    tokenizer_config.json is kept."""
+    for name in names:
+        (tmp_path / name).write_text(TEMPLATE_FILES[name])
+    assert read_tokenizer_config(tmp_path) == expected
+
+
+def test_a_chat_template_json_without_a_template_keeps_the_configs_own(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(TEMPLATE_FILES["tokenizer_config.json"])
+    (tmp_path / "chat_template.json").write_text("{}")
+    assert read_tokenizer_config(tmp_path)["chat_template"] == "from tokenizer_config.json"
 
 
 # --- incremental detokenization -----------------------------------------------------------------

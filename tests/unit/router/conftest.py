@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import openai
 import pytest
 
-from services.common.tokenizer import Tokenizer
+from services.common.tokenizer import Tokenizer, read_tokenizer_config
 from services.router.api.app import create_app
 from tests.unit.router.fakes import ScriptedBackend, ServerThread
 
@@ -19,7 +18,7 @@ SCRIPT_TEXT = "The capital of France is Paris. It is famous for the Eiffel Tower
 def tokenizer(smollm2_dir) -> Tokenizer:
     # As the engine's loader builds it (services/engine/models/loader.py, _load_tokenizer).
     path = Path(smollm2_dir)
-    return Tokenizer.from_file(path / "tokenizer.json", json.loads((path / "tokenizer_config.json").read_text()))
+    return Tokenizer.from_file(path / "tokenizer.json", read_tokenizer_config(path))
 
 
 @pytest.fixture

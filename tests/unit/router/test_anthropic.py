@@ -144,6 +144,8 @@ def test_errors_use_anthropics_body(claude, backend, base_url):
            "max_tokens", "Field required")
     _error(lambda: create(model="test-model", max_tokens=0, messages=MESSAGES), bad, "invalid_request_error",
            "max_tokens")
+    _error(lambda: create(model="test-model", max_tokens=5, messages=MESSAGES, extra_body={"temperature": 1.5}), bad,
+           "invalid_request_error", "temperature=1.5", "[0, 1]")
     _error(lambda: create(model="claude-9", max_tokens=5, messages=MESSAGES), anthropic.NotFoundError,
            "not_found_error", "claude-9")
     _error(lambda: create(model="test-model", max_tokens=5, messages=[{"role": "system", "content": "x"}]), bad,

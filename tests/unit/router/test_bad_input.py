@@ -77,6 +77,64 @@ def test_a_seed_at_the_edge_of_int64_is_served(client, backend):
     assert [r.params.seed for r in backend.requests] == [2**63 - 2, 2**63 - 1]
 
 
+# --- numbers and stop lists outside each protocol's documented range ------------------------------
+
+FIVE_STOPS = json.dumps(["a", "b", "c", "d", "e"])
+
+
+@pytest.mark.parametrize("protocol, extra, param, words", [
+    ("chat", ', "temperature": 2.5', "temperature", "must be a number in [0, 2]"),
+    ("completions", ', "temperature": 2.5', "temperature", "must be a number in [0, 2]"),
+    ("responses", ', "temperature": 2.5', "temperature", "must be a number in [0, 2]"),
+    ("chat", ', "temperature": -0.5', "temperature", "must be a number in [0, 2]"),
+    ("messages", ', "temperature": 1.5', "temperature", "must be a number in [0, 1]"),  # Anthropic's range
+    ("chat", ', "top_p": 1.5', "top_p", "must be in (0, 1]"),
+    ("completions", ', "top_p": -0.1', "top_p", "must be in (0, 1]"),
+    ("responses", ', "top_p": 1.5', "top_p", "must be in (0, 1]"),
+    ("chat", ', "presence_penalty": 2.5', "presence_penalty", "must be in [-2, 2]"),
+    ("completions", ', "presence_penalty": -2.5', "presence_penalty", "must be in [-2, 2]"),
+    ("chat", ', "frequency_penalty": -3', "frequency_penalty", "must be in [-2, 2]"),
+    ("completions", ', "frequency_penalty": 3', "frequency_penalty", "must be in [-2, 2]"),
+    ("chat", f', "stop": {FIVE_STOPS}', "stop", "stop has 5 strings; at most 4 are accepted"),
+    ("completions", f', "stop": {FIVE_STOPS}', "stop", "stop has 5 strings; at most 4 are accepted"),
+])
+def test_out_of_range_sampling_fields_are_400_naming_the_field(base_url, backend, protocol, extra, param, words):
+    status, message, named = post(base_url, protocol, extra=extra)
+    assert status == 400 and message.startswith(param) and words in message, message
+    assert named in (param, None)  # Anthropic's error body has no param: the message names it
+    assert backend.requests == []
+
+
+def test_an_out_of_range_temperature_is_each_protocols_error_body(base_url):
+    reply = httpx.post(f"{base_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                "temperature": 2.5})
+    assert reply.status_code == 400 and reply.json() == {"error": {
+        "message": "temperature=2.5 is invalid: must be a number in [0, 2]", "type": "invalid_request_error",
+        "param": "temperature", "code": None}}
+    reply = httpx.post(f"{base_url}/v1/messages", json={"model": "test-model", "max_tokens": 5, "temperature": 1.5,
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+    assert reply.status_code == 400 and reply.json() == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "temperature=1.5 is invalid: must be a number in [0, 1]"}}
+
+
+def test_the_edges_of_the_ranges_are_served(client, base_url, backend):
+    """temperature 2 and 4 stop sequences on the OpenAI endpoints; temperature 1 and more than 4
+    stop sequences (up to MAX_STOP_STRINGS) on Anthropic's."""
+    stops = ["zz1", "zz2", "zz3", "zz4"]
+    client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                   temperature=2, top_p=1, presence_penalty=-2, frequency_penalty=2, stop=stops)
+    client.completions.create(model="test-model", prompt="hi", max_tokens=2, temperature=2, stop=stops)
+    client.responses.create(model="test-model", input="hi", max_output_tokens=2, temperature=2)
+    reply = httpx.post(f"{base_url}/v1/messages", json={
+        "model": "test-model", "max_tokens": 2, "temperature": 1, "stop_sequences": [*stops, "zz5"],
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert reply.status_code == 200, reply.text
+    chat, completion, response, message = (r.params for r in backend.requests)
+    assert (chat.temperature, chat.top_p, chat.presence_penalty, chat.frequency_penalty) == (2, 1, -2, 2)
+    assert chat.stop == completion.stop == tuple(stops) and completion.temperature == response.temperature == 2
+    assert (message.temperature, message.stop) == (1, (*stops, "zz5"))
+
+
 def test_token_id_prompts_are_checked_before_they_are_scanned(tokenizer):
     with pytest.raises(PromptTooLongError, match="the prompt is 5000 tokens") as info:
         prompts.completion_prompt([BIG] * 5000, tokenizer, max_model_len=2048)

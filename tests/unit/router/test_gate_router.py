@@ -15,7 +15,7 @@ import pytest
 from services.common.config import ConfigError, parse_config
 from services.router.access.auth import ApiKey, FileKeyStore, hash_key
 from services.router.config import RouterConfig
-from services.router.access.gate import Gate, build_gate, open_without_keys
+from services.router.access.gate import REFUSALS, Gate, build_gate, open_without_keys
 from services.router.api.app import create_app
 from services.router.access.limits import Lease, Limits, LocalLimiter
 from tests.unit.router.conftest import SCRIPT_TEXT
@@ -58,9 +58,15 @@ def test_the_official_sdks_authenticate(gated):
         reply = client.chat.completions.create(**CHAT)
     # The route's count reaches the tpm bucket when the response has gone out: wait for it.
     assert limiter.released.wait(5) and limiter.charged == [reply.usage.total_tokens]
+    with openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=10) as client:
+        assert client.models.retrieve("test-model").id == "test-model"
+    refused = REFUSALS.labels("/v1/models/{model}", "unknown_key")._value.get()
     with openai.OpenAI(base_url=f"{url}/v1", api_key="epd-wrong", max_retries=0) as client:
         with pytest.raises(openai.AuthenticationError):
             client.chat.completions.create(**CHAT)
+        with pytest.raises(openai.AuthenticationError):
+            client.models.retrieve("test-model")
+    assert REFUSALS.labels("/v1/models/{model}", "unknown_key")._value.get() == refused + 1
     with anthropic.Anthropic(base_url=url, api_key=None, default_headers={"Authorization": anthropic.Omit()},
                              max_retries=0) as claude:
         with pytest.raises(anthropic.AuthenticationError):

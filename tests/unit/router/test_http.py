@@ -218,6 +218,28 @@ def test_models_health_metrics_openapi(base_url, client, backend):
     assert httpx.get(f"{base_url}/nope").json()["error"]["type"] == "not_found_error"
 
 
+def test_models_retrieve_answers_one_entry_of_the_list_or_404(base_url, client):
+    listed = httpx.get(f"{base_url}/v1/models").json()["data"]
+    for entry in listed:
+        body = httpx.get(f"{base_url}/v1/models/{entry['id']}").json()
+        assert body == {**entry, "created": body["created"]}  # the list's entry (made in another second, maybe)
+        model = client.models.retrieve(entry["id"])
+        assert model.model_dump(exclude_none=True) == {"id": entry["id"], "object": "model", "created": model.created,
+                                                       "owned_by": "epd", "max_model_len": 2048}
+    assert [entry["id"] for entry in listed] == ["alias", "test-model"]
+    openai_error(lambda: client.models.retrieve("gpt-9"), "gpt-9", status=openai.NotFoundError)
+    reply = httpx.get(f"{base_url}/v1/models/gpt-9")
+    assert reply.status_code == 404 and reply.json() == {"error": {
+        "message": "model 'gpt-9' does not exist; this server serves ['alias', 'test-model']",
+        "type": "not_found_error", "param": "model", "code": "model_not_found"}}
+
+
+def test_a_served_name_with_a_slash_is_retrieved(make_backend, serve):
+    with openai.OpenAI(base_url=f"{serve(make_backend(), ['org/alias'])}/v1", api_key="x", max_retries=0) as client:
+        assert client.models.retrieve("org/alias").id == "org/alias"
+        openai_error(lambda: client.models.retrieve("org/other"), "org/other", status=openai.NotFoundError)
+
+
 def test_router_imports_no_torch_and_no_engine():
     """STYLE rule 15: router -> common (and generated pb) and kvstore only."""
     root = Path(__file__).resolve().parents[3] / "services" / "router"
