@@ -13,8 +13,8 @@ while they equal the drafts::
 
 Greedy output is therefore the plain output, bit for bit where the CPU's packed products run:
 each drafted row is computed as a plain decode step would (the packed products, whose rows are
-independent: every step on CPUs not made by Intel, verify steps of up to 64 rows on Intel's;
-and each token's attention as a single-token decode: attention.build_metadata's ``drafted``).
+independent: every step by default, verify steps of up to 64 rows where prompts keep torch's;
+and each token's attention as a single-token decode: attention.build_metadata's role rule).
 A sampled output is exact in distribution: s_j is drawn from the model's distribution after the
 kept prefix, which for a drafter that proposes one token with certainty is what rejection
 sampling reduces to (accept d with probability p(d), else draw from p without d). Seeded rows
