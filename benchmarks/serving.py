@@ -7,7 +7,7 @@ tokenizer, exactly --output-tokens (64) out (``max_tokens`` with ``min_tokens`` 
 (48) are done. SmolLM2-135M-Instruct, fp32 (--dtype: both servers), on this machine's CPU cores:
 
     load client ──HTTP──> epd up (defaults: router, 1 prefill, 1 decode, 1 KV store node)
-    load client ──HTTP──> vLLM (.peers/vllm: python -m vllm.entrypoints.openai.api_server,
+    load client ──HTTP──> vLLM (.venv-vllm: python -m vllm.entrypoints.openai.api_server,
                                 --dtype float32, --no-enable-prefix-caching, OpenMP threads
                                 bound to every usable core)
 
@@ -79,15 +79,14 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.peers import (PEERS_DIR, PeerUnavailable, cpu_info, cpu_ranges, log_tail, session_pids,  # noqa: E402
-                              usable_cpus)
+from benchmarks.peers import (PEERS_DIR, VLLM_READY, VLLM_VENV, PeerUnavailable, cpu_info, cpu_ranges,  # noqa: E402
+                              log_tail, session_pids, usable_cpus)
 from benchmarks.serving_load import (MODEL_NAME, REQUEST_TIMEOUT_S, figures, log, make_prompts,  # noqa: E402
                                      run_load)
 from services.launcher import free_port  # noqa: E402
 
 HOST = "127.0.0.1"
 SEED = 22
-VLLM_VENV = PEERS_DIR / "vllm"
 AIPERF = PEERS_DIR / "aiperf" / "bin" / "aiperf"
 VLLM_KV_CACHE_GIB = 2
 EPD_START_TIMEOUT_S = 600.0
@@ -166,9 +165,9 @@ def epd_server(workdir: Path, dtype: str, extra_args: str) -> Server:
 
 
 def vllm_server(workdir: Path, model_dir: Path, dtype: str, max_model_len: int) -> Server:
-    """Raises PeerUnavailable when .peers/vllm is not installed."""
-    if not (VLLM_VENV / ".ready").exists():
-        raise PeerUnavailable(f"{VLLM_VENV / '.ready'} missing: run `make bench-peers`")
+    """Raises PeerUnavailable when .venv-vllm is not installed."""
+    if not VLLM_READY.exists():
+        raise PeerUnavailable(f"{VLLM_READY} missing: run `make setup-vllm`")
     port = free_port(HOST)
     env = {**os.environ,
            # vLLM's CPU backend binds one OpenMP thread per listed core; unset it uses fewer.

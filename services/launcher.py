@@ -44,7 +44,7 @@ from services.engine.threads import format_cpus, usable_cpus
 from services.local_scaling import LocalScaler
 from services.supervisor import (BackgroundSupervision, Child, ChildFailed, Probe, Supervisor,
                                  remove_shared_memory_of)
-from services.up_config import UpConfig, free_port
+from services.up_config import UpConfig, free_port, vllm_python
 
 logger = logging.getLogger("epd.up")
 # Child and remove_shared_memory_of live in supervisor.py, UpConfig and free_port in up_config.py;
@@ -69,7 +69,9 @@ class Cluster:
     def _spawn(self, name: str, module: str, args: list[str]) -> Child:
         host = self.config.host
         port, metrics_port = free_port(host), free_port(host)
-        argv = [sys.executable, "-m", module, "--host", host, "--port", str(port),
+        # vLLM's engine runs in vLLM's own venv (make setup-vllm); everything else in this one.
+        is_vllm = self.config.engine == "vllm" and module in ("services.prefill", "services.decode")
+        argv = [vllm_python() if is_vllm else sys.executable, "-m", module, "--host", host, "--port", str(port),
                 "--metrics-port", str(metrics_port), *args]
         child = Child(name, f"{host}:{port}", argv, Probe(grpc_service=_SERVICES[name.split("-")[0]]),
                       metrics_url=f"http://{host}:{metrics_port}/metrics")
@@ -83,6 +85,10 @@ class Cluster:
                 str(c.max_num_batched_tokens), "--device", c.device, "--dtype", c.dtype,
                 "--kv-transport", c.kv_transport, "--cpu-threads", self._cpu_threads(role, index)]
         args += ["--batch-invariant"] if c.batch_invariant else []
+        if c.engine != "epd":
+            args += ["--engine", c.engine] + (["--engine-args", c.engine_args] if c.engine_args else [])
+            # vLLM's CPU attention takes blocks of a multiple of 32 tokens; 128 is its default there.
+            args += ["--block-size", "128"] if c.device != "cuda" else []
         args += [arg for child in kvstores for arg in ("--kvstore", child.address)]
         if kvstores:
             args += ["--kvstore-replicas", str(c.kvstore_replicas), "--swa-ttl-s", str(c.swa_ttl_s)]

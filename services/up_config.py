@@ -17,6 +17,14 @@ from services.engine.models.config import is_llava_dir
 from services.engine.threads import parse_cpus
 
 
+VLLM_PYTHON_ENV = "EPD_VLLM_PYTHON"
+
+
+def vllm_python() -> str:
+    """The interpreter of vLLM's venv (``make setup-vllm``; ``EPD_VLLM_PYTHON`` names another)."""
+    return os.environ.get(VLLM_PYTHON_ENV) or str(Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python")
+
+
 @dataclass(frozen=True)
 class UpConfig:
     """Start a local epd cluster: encoders, prefills, decodes and the router."""
@@ -43,6 +51,12 @@ class UpConfig:
     """"cpu", "cuda" or "auto" for every engine."""
     dtype: str = "auto"
     """Every engine's dtype: "float32", "bfloat16" or "auto" (see the engines' --dtype)."""
+    engine: str = "epd"
+    """Prefill and decode instances' engine: epd, or vllm (vLLM's, in .venv-vllm: make setup-vllm;
+    on the CPU with vLLM's block size of 128 tokens). The encoder stays epd's."""
+    engine_args: str = ""
+    """With engine vllm, a JSON object of vLLM's engine arguments for every instance
+    (AsyncEngineArgs: tensor_parallel_size, quantization, enable_lora, max_model_len...)."""
     batch_invariant: bool = False
     """Every engine must give a request's output bit for bit alone or in any batch, kill -9
     migration included (the engines' --batch-invariant): the CPU's kernels hold it by default;
@@ -116,6 +130,11 @@ class UpConfig:
 
     def __post_init__(self) -> None:
         check(self.encoders is None or self.encoders >= 0, "encoders", "must be >= 0 (none: auto)")
+        check(self.engine in ("epd", "vllm"), "engine", "must be epd or vllm")
+        check(self.engine != "vllm" or Path(vllm_python()).exists(), "engine",
+              f"vllm: {vllm_python()} is missing; vLLM has a venv of its own: run `make setup-vllm`")
+        check(not self.engine_args or self.engine == "vllm", "engine_args", "is for --engine vllm only")
+        check(not (self.ray and self.engine != "epd"), "engine", f"{self.engine} does not run under --ray yet")
         if self.cpu_threads not in ("split", "prefill"):
             try:
                 parse_cpus(self.cpu_threads)

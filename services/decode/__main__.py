@@ -15,17 +15,20 @@ from services.engine.threads import sleep_when_idle
 
 sleep_when_idle()  # before the imports below load torch, and libgomp, which reads it once
 
+from services.common import plugins  # noqa: E402
 from services.common.config import config_or_exit  # noqa: E402
 from services.decode.config import DecodeConfig  # noqa: E402
 from services.decode.servicer import LeaseReleaser, add_to_server  # noqa: E402
-from services.decode.worker import DecodeWorker  # noqa: E402
-from services.engine.serving.instance import EngineInstance, serve_instance  # noqa: E402
+from services.engine.serving.instance import serve_instance  # noqa: E402
+
+WORKERS = {"epd": "services.decode.worker:DecodeWorker", "vllm": "services.decode.vllm_worker:VllmDecodeWorker"}
+"""The worker of each engine (``--engine``): it builds its instance (engine, staging, transfer)."""
 
 
 async def run(config: DecodeConfig) -> int:
-    instance = EngineInstance(config, "decode")
     releaser = LeaseReleaser()
-    worker = DecodeWorker(instance, releaser, config.kv_load_failure_policy)
+    worker = plugins.load(WORKERS, config.engine).create(config, releaser)
+    instance = worker.instance
     try:
         return await serve_instance(instance, config, worker,
                                     lambda server: add_to_server(server, worker, config.heartbeat_s),

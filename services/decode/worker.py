@@ -61,6 +61,11 @@ ReleaseLease = Callable[[str, str], Awaitable[None]]
 
 
 class DecodeWorker:
+    @classmethod
+    def create(cls, config, release_lease: ReleaseLease) -> DecodeWorker:
+        """The worker of a decode service with ``config`` (DecodeConfig), its instance built."""
+        return cls(EngineInstance(config, "decode"), release_lease, config.kv_load_failure_policy)
+
     def __init__(self, instance: EngineInstance, release_lease: ReleaseLease,
                  kv_load_failure_policy: str = "recompute") -> None:
         self.instance = instance

@@ -15,16 +15,19 @@ from services.engine.threads import sleep_when_idle
 
 sleep_when_idle()  # before the imports below load torch, and libgomp, which reads it once
 
+from services.common import plugins  # noqa: E402
 from services.common.config import config_or_exit  # noqa: E402
-from services.engine.serving.instance import EngineInstance, serve_instance  # noqa: E402
+from services.engine.serving.instance import serve_instance  # noqa: E402
 from services.prefill.config import PrefillConfig  # noqa: E402
 from services.prefill.servicer import add_to_server  # noqa: E402
-from services.prefill.worker import PrefillWorker  # noqa: E402
+
+WORKERS = {"epd": "services.prefill.worker:PrefillWorker", "vllm": "services.prefill.vllm_worker:VllmPrefillWorker"}
+"""The worker of each engine (``--engine``): it builds its instance (engine, staging, transfer)."""
 
 
 async def run(config: PrefillConfig) -> int:
-    instance = EngineInstance(config, "prefill")
-    worker = PrefillWorker(instance, lease_ttl_s=config.lease_ttl_s)
+    worker = plugins.load(WORKERS, config.engine).create(config)
+    instance = worker.instance
     return await serve_instance(instance, config, worker, lambda server: add_to_server(server, worker),
                                 "epd.v1.Prefill", background=(worker.expire_leases(),),
                                 until_settled=worker.leases.until_empty)

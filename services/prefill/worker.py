@@ -51,6 +51,11 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillWorker:
+    @classmethod
+    def create(cls, config) -> PrefillWorker:
+        """The worker of a prefill service with ``config`` (PrefillConfig), its instance built."""
+        return cls(EngineInstance(config, "prefill"), lease_ttl_s=config.lease_ttl_s)
+
     def __init__(self, instance: EngineInstance, lease_ttl_s: float = 30.0) -> None:
         self.instance = instance
         self.leases = LeaseTable(ttl_s=lease_ttl_s)

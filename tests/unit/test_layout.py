@@ -56,6 +56,8 @@ ENGINE_INTERNALS = ("services.engine.engine", "services.engine.serving.async_eng
     ("services/router/sim", ("grpc", "services.router.api", "services.router.access", "services.router.admin",
                              "services.router.cluster")),
     ("services/engine", ("services.router", "services.prefill", "services.decode", "services.encoder")),
+    # vLLM's adapter is an engine as epd's is: the services use it, it knows none of them.
+    ("services/vllm_engine", ("services.router", "services.prefill", "services.decode", "services.encoder")),
     ("services/prefill", ("services.router", "services.decode", "services.encoder")),
     ("services/decode", ("services.router", "services.prefill", "services.encoder")),
     ("services/encoder", ("services.router", "services.prefill", "services.decode")),

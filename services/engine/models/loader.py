@@ -189,7 +189,10 @@ def load_hf_dir(path: Path, name: str) -> LoadedModel:
     except (KeyError, json.JSONDecodeError) as exc:
         raise ModelNotFoundError(f"{path / 'config.json'}: not a usable model config ({exc!r})") from exc
     if config.architecture not in ("llama", "qwen2"):
-        raise ModelNotFoundError(f"{path}: model_type {config.architecture!r} is not supported (llama, mistral, qwen2)")
+        names = read_hf_config(path).get("architectures") or ["?"]
+        raise ModelNotFoundError(f"{path}: model_type {config.architecture!r} ({', '.join(names)}) is not an "
+                                 "architecture epd's engine runs (llama, mistral, qwen2, and LLaVA around "
+                                 "them): serve it with --engine vllm")
     weights = _language_model_weights(path) if config.image_token_id is not None else {
         key: tensor.float() for shard in _safetensors_files(path)
         for key, tensor in safetensors.torch.load_file(shard).items()}

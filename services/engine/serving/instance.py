@@ -9,9 +9,11 @@ Shared by the prefill and decode services so both register their pool the same w
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import math
+import sys
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -42,6 +44,8 @@ from services.engine.serving.swa_tier import SWATier
 
 logger = logging.getLogger(__name__)
 KV_STAGING_CHOICES = ("auto", "on", "off")
+ENGINE_CHOICES = ("epd", "vllm")
+"""Engines a prefill or decode instance can run (each service's ``WORKERS`` names their workers)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,14 @@ class ServingConfig(EngineConfig, ServerOptions):
 
     instance_id: str = ""
     """Name in load reports and logs; empty: the role and a random suffix."""
+    engine: str = "epd"
+    """What computes: epd (this project's engine, the default) or vllm (vLLM's engine with epd's KV
+    connector, for the models it runs: MoE, quantized, LoRA...; it runs in vLLM's own venv: make
+    setup-vllm, then this service under .venv-vllm/bin/python). The gRPC contract, load reports
+    and drain are the same either way."""
+    engine_args: str = ""
+    """For --engine vllm: a JSON object of vLLM's engine arguments (AsyncEngineArgs), over those
+    the other flags set: {"quantization": "fp8", "enable_lora": true, "max_loras": 4, ...}."""
     transfer_port: int = 0
     """TCP port of the KV data server peers on other hosts read from; 0 picks a free one."""
     kv_transport: str = "auto"
@@ -92,6 +104,11 @@ class ServingConfig(EngineConfig, ServerOptions):
         check(self.kvstore_timeout_s > 0, "kvstore_timeout_s", "must be > 0")
         check(self.kv_staging in KV_STAGING_CHOICES, "kv_staging", f"must be one of {', '.join(KV_STAGING_CHOICES)}")
         check(self.kv_staging_mib >= 1, "kv_staging_mib", "must be >= 1")
+        check(self.engine in ENGINE_CHOICES, "engine", f"must be one of {', '.join(ENGINE_CHOICES)}")
+        check(self.engine != "vllm" or importlib.util.find_spec("vllm") is not None, "engine",
+              f"vllm: this Python ({sys.executable}) has no vLLM; it lives in a venv of its own: run "
+              "`make setup-vllm`, then start this service with .venv-vllm/bin/python")
+        check(not self.engine_args or self.engine == "vllm", "engine_args", "is for --engine vllm only")
         check(self.swa_capacity_mib >= 1, "swa_capacity_mib", "must be >= 1")
         check(self.swa_ttl_s > 0, "swa_ttl_s", "must be > 0")
 
